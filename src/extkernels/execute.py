@@ -1,0 +1,74 @@
+"""The execution command: run chapters top to bottom and store their outputs in place.
+
+    python -m extkernels.execute book/                 # every chapter, in order
+    python -m extkernels.execute book/01_eager_baseline.ipynb --timeout 900
+
+Each notebook runs in a fresh kernel with its own folder as working directory. A cell that
+raises stops that notebook, which is then left untouched on disk, and the command exits non-zero
+after trying the rest. The stored outputs of the book are produced by this command on the GPU
+machine named in each chapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+__all__ = ["execute", "main"]
+
+
+def _notebooks(paths: list[str]) -> list[Path]:
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(q for q in p.glob("*.ipynb") if not q.name.startswith("_"))
+        elif p.suffix == ".ipynb":
+            found.append(p)
+        else:
+            raise SystemExit(f"paths: expected notebooks or folders of notebooks, got {p}")
+    return found
+
+
+def execute(path: Path, *, timeout: int, kernel: str) -> float:
+    """Execute one notebook in place; returns seconds taken. Raises on a failing cell."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(path.parent)}}
+    )
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    nbformat.write(nb, path)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m extkernels.execute", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="+", help="notebooks, or folders holding them")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per cell (default: %(default)s)")
+    ap.add_argument("--kernel", default="python3", help="Jupyter kernel name (default: %(default)s)")
+    args = ap.parse_args(argv)
+    failed = []
+    for path in _notebooks(args.paths):
+        print(f"executing {path} ...", flush=True)
+        try:
+            seconds = execute(path, timeout=args.timeout, kernel=args.kernel)
+        except CellExecutionError as err:
+            print(f"FAILED {path}:\n{err}", file=sys.stderr, flush=True)
+            failed.append(path)
+            continue
+        print(f"ok        {path} in {seconds:.0f} s", flush=True)
+    if failed:
+        print(f"{len(failed)} notebook(s) failed: {', '.join(map(str, failed))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

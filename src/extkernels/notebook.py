@@ -1,0 +1,67 @@
+"""Helpers for the first cells of every chapter: versions, hardware and showing package code."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import inspect
+import platform
+import subprocess
+
+import pandas as pd
+import torch
+
+__all__ = ["versions", "show_source"]
+
+# (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different names.
+_PACKAGES = [
+    ("torch", ("torch",)),
+    ("triton", ("triton", "pytorch-triton")),
+    ("warp", ("warp-lang",)),
+    ("cuml", ("cuml-cu12", "cuml-cu13", "cuml")),
+    ("rmm", ("rmm-cu12", "rmm-cu13", "rmm")),
+    ("cupy", ("cupy-cuda12x", "cupy-cuda13x", "cupy")),
+    ("pyptx", ("pyptx",)),
+]
+
+
+def _version(names: tuple[str, ...]) -> str:
+    for name in names:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "n/a"
+
+
+def versions() -> pd.DataFrame:
+    """The software and hardware this notebook runs on, one row each."""
+    rows = [("python", platform.python_version())]
+    rows += [(label, _version(names)) for label, names in _PACKAGES]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        rows += [
+            ("device", f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"),
+            ("CUDA (torch)", torch.version.cuda or "n/a"),
+            ("driver", _driver()),
+        ]
+    else:
+        rows += [("device", f"CPU only ({platform.processor() or platform.machine()})")]
+    return pd.DataFrame(rows, columns=["component", "version"]).set_index("component")
+
+
+def show_source(obj) -> object:
+    """The source code of a package function or class, rendered as a highlighted block."""
+    from IPython.display import Code
+
+    return Code(inspect.getsource(obj), language="python")

@@ -1,0 +1,93 @@
+"""``torch.profiler`` results as tables (chapter 1 introduces them; every chapter reuses them).
+
+:func:`profile` runs a function a few times under the profiler; :func:`top_kernels` turns the
+result into a DataFrame of the operators that spend the most device time (on the CPU: CPU time),
+with their share of the total, call count and memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
+
+__all__ = ["profile", "top_kernels", "side_by_side", "generated_kernels"]
+
+
+def profile(fn: Callable[[], object], *, device: torch.device, n_iters: int = 3, warmup: int = 1):
+    """Run ``fn`` ``warmup`` times untraced, then ``n_iters`` times under ``torch.profiler``.
+
+    Returns:
+        The finished ``torch.profiler.profile`` object, with ``n_iters`` stored on it.
+    """
+    for _ in range(warmup):
+        fn()
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        for _ in range(n_iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    prof.n_iters = n_iters
+    prof.device_type = device.type
+    return prof
+
+
+def _short(name: str, width: int = 60) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def top_kernels(prof, top: int = 8) -> pd.DataFrame:
+    """The operators that spend the most time, per iteration.
+
+    On a GPU the time is the *self device time* of each operator (the kernels it launched
+    itself; inductor's generated Triton kernels appear under their own names); on the CPU it is
+    the self CPU time. ``share`` is the fraction of the total of that column.
+
+    Returns:
+        DataFrame with columns ``name``, ``time (ms)``, ``share (%)``, ``calls``,
+        ``memory (MB)``, one row per operator, largest first.
+    """
+    on_gpu = getattr(prof, "device_type", "cpu") == "cuda"
+    n = getattr(prof, "n_iters", 1)
+    rows = []
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CPU:
+            continue
+        t = evt.self_device_time_total if on_gpu else evt.self_cpu_time_total
+        mem = evt.self_device_memory_usage if on_gpu else evt.self_cpu_memory_usage
+        if t > 0:
+            rows.append((evt.key, t / 1e3 / n, evt.count // n, max(mem, 0) / 2**20 / n))
+    df = pd.DataFrame(rows, columns=["name", "time (ms)", "calls", "memory (MB)"])
+    total = df["time (ms)"].sum()
+    df["share (%)"] = 100 * df["time (ms)"] / total if total else 0.0
+    df = df.sort_values("time (ms)", ascending=False).head(top).reset_index(drop=True)
+    df["name"] = df["name"].map(_short)
+    return df[["name", "time (ms)", "share (%)", "calls", "memory (MB)"]].round(3)
+
+
+def side_by_side(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Several tables next to each other under one header each (for example eager | compiled)."""
+    return pd.concat({title: t.reset_index(drop=True) for title, t in tables.items()}, axis=1)
+
+
+def generated_kernels(fn, *args) -> list[str]:
+    """Names of the kernels inductor generates when compiling ``fn(*args)`` from scratch.
+
+    Inductor names a fused kernel after the operations it fused (for example
+    ``triton_red_fused_linalg_vector_norm_sub_0`` on a GPU, ``cpp_fused_...`` on the CPU).
+    """
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, sources = run_and_get_code(torch.compile(fn), *args)
+    names = re.findall(r"\b((?:triton|cpp)_\w*fused\w*)\b", "\n".join(sources))
+    return list(dict.fromkeys(names))

@@ -1,0 +1,164 @@
+"""The book's timing protocol (chapter 1), shared by every chapter and the benchmark command.
+
+Protocol (the one the anchor tutorial publishes, so numbers compare): ``n_warmup`` iterations of
+a forward pass plus a training step, then ``n_iters`` timed forward passes under
+``torch.no_grad()`` and ``n_iters`` timed training steps (zero_grad, forward, mean squared error
+against the target, backward, Adam step). Every call recomputes the neighbours. Timing goes
+through :class:`torch.utils.benchmark.Timer`, which synchronises the device around the timed
+block; results are milliseconds per iteration.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+__all__ = [
+    "Timing",
+    "make_train_step",
+    "time_fn",
+    "time_projector",
+    "first_call_seconds",
+    "peak_memory_mb",
+    "timings_frame",
+    "forward_peak_mb",
+]
+
+
+@dataclass
+class Timing:
+    """One row of a timing table."""
+
+    variant: str
+    forward_ms: float
+    train_ms: float
+    peak_mb: float
+    hardware: str
+    n_ref: int
+    n_query: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_train_step(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    params,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    target: torch.Tensor,
+    lr: float = 1e-3,
+) -> Callable[[], torch.Tensor]:
+    """A closure doing one training step: zero_grad, forward, MSE, backward, Adam step.
+
+    ``model`` may be a compiled module; ``params`` are the parameters Adam updates.
+
+    Returns:
+        ``step()`` returning the (detached) loss.
+    """
+    optimizer = torch.optim.Adam(params, lr=lr)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(p_query, p_ref), target)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def time_fn(fn: Callable[[], object], n_iters: int) -> float:
+    """Milliseconds per call of ``fn``, over one block of ``n_iters`` calls (after 2 warm-ups)."""
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.timeit(n_iters).mean * 1e3
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak memory allocated by PyTorch while ``fn`` runs once, in MB (NaN on the CPU, or where
+    PyTorch's allocator is replaced and keeps no statistics)."""
+    if device.type != "cuda":
+        return math.nan
+    try:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    except RuntimeError:
+        return math.nan
+    return peak / 2**20 if peak else math.nan
+
+
+def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of one call, synchronised: for a compiled function's first call this
+    is dominated by compilation."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def time_projector(
+    model: torch.nn.Module,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    n_warmup: int,
+    n_iters: int,
+    params=None,
+) -> dict[str, float]:
+    """Time a projector by the book's protocol.
+
+    Args:
+        model: the projector, eager or compiled.
+        p_query: ``(M, 3)``; p_ref: ``(N, 3)``; target: ``(M, 1)``.
+        params: the parameters to train (default: ``model.parameters()``).
+
+    Returns:
+        ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training step.
+    """
+    step = make_train_step(model, params if params is not None else model.parameters(), p_query, p_ref, target)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model(p_query, p_ref)
+
+    for _ in range(n_warmup):
+        forward()
+        step()
+    return {
+        "forward_ms": time_fn(forward, n_iters),
+        "train_ms": time_fn(step, n_iters),
+        "peak_mb": peak_memory_mb(step, p_ref.device),
+    }
+
+
+def timings_frame(rows: list[Timing | dict], baseline: str | None = None) -> pd.DataFrame:
+    """Timing rows as a DataFrame indexed by variant, with speedups over ``baseline``."""
+    df = pd.DataFrame([asdict(r) if isinstance(r, Timing) else r for r in rows]).set_index("variant")
+    if baseline is not None and baseline in df.index:
+        df["forward_speedup"] = df.loc[baseline, "forward_ms"] / df["forward_ms"]
+        df["train_speedup"] = df.loc[baseline, "train_ms"] / df["train_ms"]
+    return df
+
+
+def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:
+    """Peak memory of one forward pass under ``torch.no_grad()``, in MB (NaN on the CPU)."""
+
+    def forward():
+        with torch.no_grad():
+            return model(p_query, p_ref)
+
+    return peak_memory_mb(forward, p_ref.device)

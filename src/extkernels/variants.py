@@ -1,0 +1,119 @@
+"""Every version of the running example, as the benchmark command and chapter 12 run them.
+
+A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and whether it is
+compiled; :meth:`Variant.build` makes the model and data at a :class:`~extkernels.Problem`'s
+sizes and :func:`run` times it by the book's protocol. Chapters add variants as they add
+backends; a variant whose backend cannot run on this machine is listed but skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .data import query_grid, reference_cloud, targets
+from .models import KnnAggregation, Projector, RadiusAggregation
+from .ops import backends
+from .problem import Problem
+from .timing import Timing, first_call_seconds, make_train_step, time_projector
+
+__all__ = ["Variant", "VARIANTS", "get", "run", "baseline_of"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One version of the projector.
+
+    Attributes:
+        name: short unique name, used on the command line and in tables.
+        workload: ``knn`` or ``radius``.
+        backend: backend of the aggregation (see :func:`extkernels.backends`).
+        compile: wrap the model in ``torch.compile``.
+        fullgraph: compile with ``fullgraph=True`` (fail on any graph break).
+        chapter: the chapter that introduces it.
+        options: extra keyword arguments of the aggregation's backend.
+        isolated: must run in a process of its own (it changes process-wide state, such as
+            PyTorch's allocator), which the benchmark command arranges.
+        setup: called once before anything is allocated on the device.
+    """
+
+    name: str
+    workload: str
+    backend: str
+    compile: bool = False
+    fullgraph: bool = False
+    chapter: int = 1
+    options: dict = field(default_factory=dict)
+    isolated: bool = False
+    setup: Callable[[], None] | None = None
+
+    @property
+    def op(self) -> str:
+        return "knn_aggregate" if self.workload == "knn" else "radius_aggregate"
+
+    def available(self) -> bool:
+        """True when its backend can run on this machine."""
+        return self.backend in backends(self.op)
+
+    def build(self, prob: Problem):
+        """The model (eager), the callable to time (compiled or not) and the data.
+
+        Returns:
+            ``(model, run, (p_query, p_ref, target))``.
+        """
+        n_ref = prob.n_ref if self.workload == "knn" else prob.n_ref_radius
+        p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
+        p_query = query_grid(prob.grid_side, device=prob.device)
+        target = targets(prob.n_query, seed=prob.seed, device=prob.device)
+        if self.workload == "knn":
+            agg = KnnAggregation(prob.k, prob.sigma, self.backend, **self.options)
+        else:
+            agg = RadiusAggregation(prob.radius, prob.sigma, self.backend, **self.options)
+        torch.manual_seed(prob.seed)
+        model = Projector(agg, prob.hidden).to(prob.device)
+        run_model = torch.compile(model, fullgraph=self.fullgraph) if self.compile else model
+        return model, run_model, (p_query, p_ref, target)
+
+
+VARIANTS: list[Variant] = [
+    Variant("knn/torch", "knn", "torch", chapter=1),
+    Variant("knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2),
+    Variant("radius/torch", "radius", "torch", chapter=5),
+    Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),
+]
+
+
+def get(name: str) -> Variant:
+    """The variant called ``name``."""
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise ValueError(f"name: expected one of {[v.name for v in VARIANTS]}, got {name!r}")
+
+
+def baseline_of(variant: Variant) -> str:
+    """Name of the eager brute-force variant of the same workload (the speedup reference)."""
+    return f"{variant.workload}/torch"
+
+
+def run(variant: Variant, prob: Problem) -> dict:
+    """Build and time one variant by the book's protocol.
+
+    Returns:
+        A :class:`~extkernels.timing.Timing` as a dict, plus ``workload`` and ``first_call_s``
+        (the first training step, which includes compilation for compiled variants).
+    """
+    if variant.setup is not None:
+        variant.setup()
+    model, run_model, (p_query, p_ref, target) = variant.build(prob)
+    first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+    first_s = first_call_seconds(first, prob.device)
+    t = time_projector(
+        run_model, p_query, p_ref, target, n_warmup=prob.n_warmup, n_iters=prob.n_iters,
+        params=model.parameters(),
+    )
+    row = Timing(variant.name, t["forward_ms"], t["train_ms"], t["peak_mb"], prob.hardware,
+                 p_ref.shape[0], p_query.shape[0]).__dict__
+    return {**row, "workload": variant.workload, "first_call_s": first_s}
