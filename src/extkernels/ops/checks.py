@@ -15,6 +15,7 @@ import math
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = [
     "check_cloud",
@@ -26,9 +27,12 @@ __all__ = [
 ]
 
 
-def values_checked() -> bool:
-    """True where value checks run: eager mode, not while ``torch.compile`` traces."""
-    return not torch.compiler.is_compiling()
+def values_checked(t: torch.Tensor | None = None) -> bool:
+    """True where value checks can run: in eager mode on real tensors, not while
+    ``torch.compile`` traces and not on the fake tensors of a fake implementation."""
+    if torch.compiler.is_compiling():
+        return False
+    return t is None or not (is_fake(t) or t.device.type == "meta")
 
 
 def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:
@@ -44,7 +48,7 @@ def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.
         raise ValueError(f"{name}: expected at least one point, got an empty cloud of shape (0, 3)")
     if not points.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
-    if values_checked() and not bool(torch.isfinite(points).all()):
+    if values_checked(points) and not bool(torch.isfinite(points).all()):
         raise ValueError(f"{name}: expected finite coordinates, found NaN or infinity")
     return points
 
