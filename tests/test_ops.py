@@ -409,11 +409,6 @@ def test_unavailable_backend_is_not_listed(monkeypatch):
     assert "not-installed" not in extkernels.backends("knn")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: torch_backend.radius_aggregate computes exp(-d / sigma) without subtracting "
-    "the row minimum, so weights underflow in float32 once d / sigma exceeds ~87-103",
-)
 def test_radius_aggregate_normalises_weights_when_all_neighbours_are_far_relative_to_sigma():
     p_ref = torch.tensor([[0.0, 0.0, 0.0], [0.05, 0.0, 0.0]])
     query = torch.tensor([[1.2, 0.0, 0.0]])  # both points within the radius, at d / sigma ~ 115-120

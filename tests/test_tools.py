@@ -319,11 +319,6 @@ def test_versions_names_the_cpu_without_a_gpu(monkeypatch):
     assert notebook.versions().loc["device", "version"].startswith("CPU")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: execute.main catches only CellExecutionError; a cell timeout "
-    "(CellTimeoutError) aborts the command before the remaining notebooks run",
-)
 def test_execute_runs_the_rest_after_a_cell_timeout(tmp_path):
     _write_notebook(tmp_path / "a_slow.ipynb", "import time; time.sleep(30)")
     good = _write_notebook(tmp_path / "b_good.ipynb", "1 + 1")

@@ -53,6 +53,8 @@ def run_all(names: list[str] | None = None, *, isolate: bool = True) -> pd.DataF
             continue
         print(f"run  {v.name}", flush=True)
         rows += _run_isolated(v.name) if (v.isolated and isolate) else [V.run(v, prob)]
+    if not rows:
+        raise SystemExit("no chosen variant can run on this machine (see --list)")
     df = pd.DataFrame(rows).set_index("variant")
     for workload, part in df.groupby("workload"):
         base = f"{workload}/torch"
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"hardware": prob.hardware, "versions": versions()["version"].to_dict(),
             "sizes": {"n_ref": prob.n_ref, "n_ref_radius": prob.n_ref_radius, "n_query": prob.n_query}}
     with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": df.reset_index().to_dict(orient="records")}, f, indent=2)
+        # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject NaN.
+        rows = json.loads(df.reset_index().to_json(orient="records"))
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(f"wrote {args.json}")
     return 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 __all__ = ["execute", "main"]
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executing {path} ...", flush=True)
         try:
             seconds = execute(path, timeout=args.timeout, kernel=args.kernel)
-        except CellExecutionError as err:
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
             print(f"FAILED {path}:\n{err}", file=sys.stderr, flush=True)
             failed.append(path)
             continue

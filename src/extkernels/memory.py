@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["use_rmm_pool", "rmm_statistics"]
+__all__ = ["use_rmm_pool", "rmm_statistics", "allocation_calls", "main"]
 
 
 def use_rmm_pool(initial_pool_size: int | None = 2**30, statistics: bool = True) -> None:
@@ -28,10 +28,10 @@ def use_rmm_pool(initial_pool_size: int | None = 2**30, statistics: bool = True)
     Raises:
         RuntimeError: when PyTorch has already allocated GPU memory in this process.
     """
-    if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
+    if torch.cuda.is_initialized():
         raise RuntimeError(
-            "use_rmm_pool: PyTorch has already allocated GPU memory with its default allocator; "
-            "call this first thing in the process, before any tensor is created on the GPU"
+            "use_rmm_pool: CUDA is already initialised in this process, and with it PyTorch's "
+            "default allocator; call this first thing, before any tensor is created on the GPU"
         )
     import cupy
     import rmm
@@ -58,3 +58,42 @@ def rmm_statistics() -> dict[str, float]:
         "peak_mb": counts["peak_bytes"] / 2**20,
         "allocations": counts["total_count"],
     }
+
+
+def allocation_calls(variant_name: str = "knn/cuml-op+compile", *, rmm: bool, n_iters: int = 5):
+    """cudaMalloc / cudaFree calls per training step of a variant, with or without the pool.
+
+    Must run in a fresh process (see :func:`main`), since the allocator is chosen once.
+
+    Returns:
+        DataFrame of :func:`extkernels.profiling.runtime_calls` restricted to allocation calls.
+    """
+    from . import variants
+    from .problem import problem
+    from .profiling import profile, runtime_calls
+    from .timing import make_train_step
+
+    if rmm:
+        use_rmm_pool()
+    prob = problem()
+    model, run_model, (p_query, p_ref, target) = variants.get(variant_name).build(prob)
+    step = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+    prof = profile(step, device=prob.device, n_iters=n_iters, warmup=3)
+    return runtime_calls(prof, names=("cudaMalloc", "cudaFree"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m extkernels.memory [--rmm] --json out.json``: :func:`allocation_calls`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m extkernels.memory")
+    ap.add_argument("--rmm", action="store_true", help="install the RMM pool first")
+    ap.add_argument("--variant", default="knn/cuml-op+compile")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args(argv)
+    allocation_calls(args.variant, rmm=args.rmm).to_json(args.json, orient="records")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

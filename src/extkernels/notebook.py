@@ -64,4 +64,5 @@ def show_source(obj) -> object:
     """The source code of a package function or class, rendered as a highlighted block."""
     from IPython.display import Code
 
-    return Code(inspect.getsource(obj), language="python")
+    # A torch.library custom operator keeps the decorated Python function as _init_fn.
+    return Code(inspect.getsource(getattr(obj, "_init_fn", obj)), language="python")

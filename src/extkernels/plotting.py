@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-__all__ = ["timing_bars", "scaling_plot"]
+__all__ = ["timing_bars", "scaling_plot", "timeline_plot"]
 
 # Compact PNGs: stored notebooks stay small.
 mpl.rcParams.update({"figure.dpi": 90, "savefig.dpi": 90, "figure.figsize": (7.0, 3.2)})
@@ -62,5 +62,25 @@ def scaling_plot(df: pd.DataFrame, *, x: str, y: str, by: str, title: str, hardw
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(f"{title} — {hardware}", fontsize=10)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
+    """Kernels and host waits of :func:`extkernels.profiling.timeline` as horizontal bars.
+
+    Returns:
+        The matplotlib figure.
+    """
+    lanes = list(dict.fromkeys(tl["lane"]))
+    fig, ax = plt.subplots(figsize=(7.0, 0.6 * len(lanes) + 1.2))
+    colors = {"GPU kernels": "tab:blue", "host waits": "tab:red"}
+    for i, lane in enumerate(lanes):
+        part = tl[tl["lane"] == lane]
+        ax.broken_barh(list(zip(part["start_ms"], part["end_ms"] - part["start_ms"])), (i - 0.35, 0.7),
+                       color=colors.get(lane, "tab:gray"))
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"{title} — {hardware}", fontsize=10)
     fig.tight_layout()
     return fig

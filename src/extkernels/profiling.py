@@ -14,7 +14,15 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
-__all__ = ["profile", "top_kernels", "side_by_side", "generated_kernels"]
+__all__ = [
+    "profile",
+    "top_kernels",
+    "side_by_side",
+    "generated_kernels",
+    "runtime_calls",
+    "timeline",
+    "gpu_busy_fraction",
+]
 
 
 def profile(fn: Callable[[], object], *, device: torch.device, n_iters: int = 3, warmup: int = 1):
@@ -91,3 +99,62 @@ def generated_kernels(fn, *args) -> list[str]:
     _, sources = run_and_get_code(torch.compile(fn), *args)
     names = re.findall(r"\b((?:triton|cpp)_\w*fused\w*)\b", "\n".join(sources))
     return list(dict.fromkeys(names))
+
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+               "cudaMemcpy", "cudaMalloc", "cudaFree")
+
+
+def runtime_calls(prof, names: tuple[str, ...] = _SYNC_CALLS) -> pd.DataFrame:
+    """CUDA runtime calls that make the host wait (or allocate), per iteration.
+
+    Returns:
+        DataFrame with ``name``, ``calls``, ``host time (ms)``, one row per runtime function
+        whose name starts with one of ``names`` (empty on the CPU).
+    """
+    n = getattr(prof, "n_iters", 1)
+    rows = [
+        (e.key, e.count / n, e.cpu_time_total / 1e3 / n)
+        for e in prof.key_averages()
+        if e.key.startswith(names)
+    ]
+    df = pd.DataFrame(rows, columns=["name", "calls", "host time (ms)"])
+    return df.sort_values("host time (ms)", ascending=False).reset_index(drop=True).round(3)
+
+
+def timeline(prof) -> pd.DataFrame:
+    """Device kernels and host synchronisations of a GPU profile, on one time axis.
+
+    Returns:
+        DataFrame with ``lane`` (``GPU kernels`` or ``host waits``), ``name``, ``start_ms`` and
+        ``end_ms`` relative to the first event.
+    """
+    rows = []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            lane = "GPU kernels"
+        elif e.name.startswith(_SYNC_CALLS[:3]):
+            lane = "host waits"
+        else:
+            continue
+        rows.append((lane, e.name, e.time_range.start / 1e3, e.time_range.end / 1e3))
+    df = pd.DataFrame(rows, columns=["lane", "name", "start_ms", "end_ms"])
+    if len(df):
+        t0 = df["start_ms"].min()
+        df[["start_ms", "end_ms"]] -= t0
+    return df.sort_values("start_ms").reset_index(drop=True)
+
+
+def gpu_busy_fraction(tl: pd.DataFrame) -> float:
+    """Fraction of the span of a :func:`timeline` during which at least one kernel runs."""
+    k = tl[tl["lane"] == "GPU kernels"].sort_values("start_ms")
+    if k.empty:
+        return float("nan")
+    busy, end = 0.0, -float("inf")
+    for s, e in zip(k["start_ms"], k["end_ms"]):
+        if s > end:
+            busy += e - s
+        elif e > end:
+            busy += e - end
+        end = max(end, e)
+    return busy / (k["end_ms"].max() - k["start_ms"].min())

@@ -77,9 +77,21 @@ class Variant:
         return model, run_model, (p_query, p_ref, target)
 
 
+def _rmm_pool() -> None:
+    from .memory import use_rmm_pool
+
+    use_rmm_pool()
+
+
 VARIANTS: list[Variant] = [
     Variant("knn/torch", "knn", "torch", chapter=1),
     Variant("knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2),
+    Variant("knn/cuml", "knn", "cuml", chapter=3, options={"as_op": False}),
+    Variant("knn/cuml+compile", "knn", "cuml", compile=True, chapter=3, options={"as_op": False}),
+    Variant("knn/cuml-op", "knn", "cuml", chapter=3),
+    Variant("knn/cuml-op+compile", "knn", "cuml", compile=True, fullgraph=True, chapter=3),
+    Variant("knn/cuml-op+compile+rmm", "knn", "cuml", compile=True, fullgraph=True, chapter=4,
+            isolated=True, setup=_rmm_pool),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),
 ]

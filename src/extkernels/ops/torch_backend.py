@@ -100,7 +100,12 @@ def radius_aggregate(
     for q in _chunks(p_query, chunk_size):
         with torch.no_grad():
             d = _distances(q, p_ref)
-            w = torch.where(d <= radius, torch.exp(-d / sigma), 0.0).to(feats.dtype)
+            inside = d <= radius
+            # Shifting by each query's nearest in-radius distance cancels in the normalisation
+            # and keeps exp() from underflowing when radius / sigma is large.
+            nearest = torch.where(inside, d, torch.inf).amin(dim=1, keepdim=True)
+            nearest = torch.where(torch.isinf(nearest), 0.0, nearest)
+            w = torch.where(inside, torch.exp((nearest - d) / sigma), 0.0).to(feats.dtype)
             # An empty neighbourhood has w == 0 everywhere, so dividing by tiny keeps it at 0.
             w = w / w.sum(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
         out.append(w @ feats)
