@@ -7,7 +7,7 @@ per library), :mod:`~extkernels.timing`, :mod:`~extkernels.profiling`,
 example, as the benchmark command runs them).
 """
 
-from . import reference
+from . import memory, reference
 from .data import features, query_grid, reference_cloud, targets
 from .models import MLP, KnnAggregation, Projector, RadiusAggregation
 from .ops import backends, knn, knn_aggregate, radius_aggregate
