@@ -54,9 +54,9 @@ def rmm_statistics() -> dict[str, float]:
         raise RuntimeError("rmm_statistics: the current RMM resource keeps no statistics (use_rmm_pool(statistics=True))")
     counts = mr.allocation_counts
     return {
-        "current_mb": counts["current_bytes"] / 2**20,
-        "peak_mb": counts["peak_bytes"] / 2**20,
-        "allocations": counts["total_count"],
+        "current_mb": counts.current_bytes / 2**20,
+        "peak_mb": counts.peak_bytes / 2**20,
+        "allocations": counts.total_count,
     }
 
 

@@ -37,7 +37,7 @@ def profile(fn: Callable[[], object], *, device: torch.device, n_iters: int = 3,
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+    with torch.profiler.profile(activities=activities, profile_memory=True, acc_events=True) as prof:
         for _ in range(n_iters):
             fn()
         if device.type == "cuda":
@@ -105,6 +105,10 @@ _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
                "cudaMemcpy", "cudaMalloc", "cudaFree")
 
 
+# Runtime calls during which the host waits for the device (cudaFree synchronises it too).
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaFree")
+
+
 def runtime_calls(prof, names: tuple[str, ...] = _SYNC_CALLS) -> pd.DataFrame:
     """CUDA runtime calls that make the host wait (or allocate), per iteration.
 
@@ -133,7 +137,7 @@ def timeline(prof) -> pd.DataFrame:
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             lane = "GPU kernels"
-        elif e.name.startswith(_SYNC_CALLS[:3]):
+        elif e.name.startswith(_WAITS):
             lane = "host waits"
         else:
             continue

@@ -8,6 +8,7 @@ backends; a variant whose backend cannot run on this machine is listed but skipp
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -115,13 +116,19 @@ def run(variant: Variant, prob: Problem) -> dict:
 
     Returns:
         A :class:`~extkernels.timing.Timing` as a dict, plus ``workload`` and ``first_call_s``
-        (the first training step, which includes compilation for compiled variants).
+        (the first training step; for compiled variants it includes compiling the forward and
+        backward graphs from scratch, with inductor's caches disabled).
     """
     if variant.setup is not None:
         variant.setup()
+    if variant.compile:
+        torch._dynamo.reset()  # nothing compiled earlier in this process is reused
     model, run_model, (p_query, p_ref, target) = variant.build(prob)
     first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
-    first_s = first_call_seconds(first, prob.device)
+    # Inductor's on-disk caches would turn a recompilation into a lookup: measure it cold.
+    with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*force_disable_caches")
+        first_s = first_call_seconds(first, prob.device)
     t = time_projector(
         run_model, p_query, p_ref, target, n_warmup=prob.n_warmup, n_iters=prob.n_iters,
         params=model.parameters(),
