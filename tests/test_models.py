@@ -51,7 +51,9 @@ def test_projector_maps_clouds_to_one_output_per_query(projector, p_query, p_ref
 
 
 def test_projector_passes_backend_options_to_the_aggregation(p_query, p_ref):
-    model = extkernels.Projector(extkernels.KnnAggregation(k=5, sigma=0.1, chunk_size=0), hidden=HIDDEN)
+    model = extkernels.Projector(
+        extkernels.KnnAggregation(k=5, sigma=0.1, chunk_size=0), hidden=HIDDEN
+    )
     with pytest.raises(ValueError, match="^chunk_size:"):
         model(p_query, p_ref)
 
@@ -60,7 +62,9 @@ def test_chunked_aggregation_gives_the_same_projection(p_query, p_ref):
     torch.manual_seed(0)
     plain = extkernels.Projector(extkernels.KnnAggregation(k=5, sigma=0.1), hidden=HIDDEN)
     torch.manual_seed(0)
-    chunked = extkernels.Projector(extkernels.KnnAggregation(k=5, sigma=0.1, chunk_size=7), hidden=HIDDEN)
+    chunked = extkernels.Projector(
+        extkernels.KnnAggregation(k=5, sigma=0.1, chunk_size=7), hidden=HIDDEN
+    )
     torch.testing.assert_close(chunked(p_query, p_ref), plain(p_query, p_ref))
 
 
@@ -89,7 +93,7 @@ def test_train_step_updates_parameters(projector):
     p_query, p_ref, target = _tiny_data()
     before = [p.detach().clone() for p in projector.parameters()]
     make_train_step(projector, projector.parameters(), p_query, p_ref, target)()
-    assert all(not torch.equal(b, p) for b, p in zip(before, projector.parameters()))
+    assert all(not torch.equal(b, p) for b, p in zip(before, projector.parameters(), strict=True))
 
 
 def test_gradients_reach_both_mlps(projector):
@@ -105,7 +109,9 @@ def test_gradients_reach_both_mlps(projector):
 
 
 def test_reference_cloud_is_deterministic_for_a_seed():
-    assert torch.equal(extkernels.reference_cloud(50, seed=4), extkernels.reference_cloud(50, seed=4))
+    assert torch.equal(
+        extkernels.reference_cloud(50, seed=4), extkernels.reference_cloud(50, seed=4)
+    )
 
 
 def test_reference_cloud_ignores_the_global_seed():
@@ -116,7 +122,9 @@ def test_reference_cloud_ignores_the_global_seed():
 
 
 def test_reference_cloud_differs_for_another_seed():
-    assert not torch.equal(extkernels.reference_cloud(50, seed=4), extkernels.reference_cloud(50, seed=5))
+    assert not torch.equal(
+        extkernels.reference_cloud(50, seed=4), extkernels.reference_cloud(50, seed=5)
+    )
 
 
 def test_reference_cloud_shape_and_dtype():

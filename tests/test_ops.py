@@ -207,7 +207,9 @@ def test_radius_aggregate_query_without_neighbours_gets_exact_zeros(p_query, p_r
 def test_radius_aggregate_weights_are_normalised(p_query, p_ref):
     ones = torch.ones(p_ref.shape[0], 1)
     out = extkernels.radius_aggregate(p_query, p_ref, ones, RADIUS, SIGMA)
-    counts = np.array([len(n) for n in cKDTree(p_ref.numpy()).query_ball_point(p_query.numpy(), RADIUS)])
+    counts = np.array(
+        [len(n) for n in cKDTree(p_ref.numpy()).query_ball_point(p_query.numpy(), RADIUS)]
+    )
     assert (counts > 0).any() and (counts == 0).any()
     assert_close(out[:, 0], (counts > 0).astype(np.float64))
 
@@ -215,7 +217,9 @@ def test_radius_aggregate_weights_are_normalised(p_query, p_ref):
 @pytest.mark.parametrize("chunk_size", [1, 7, 10_000])
 def test_radius_aggregate_chunked_equals_unchunked(p_query, p_ref, feats, chunk_size):
     full = extkernels.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
-    chunked = extkernels.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA, chunk_size=chunk_size)
+    chunked = extkernels.radius_aggregate(
+        p_query, p_ref, feats, RADIUS, SIGMA, chunk_size=chunk_size
+    )
     torch.testing.assert_close(chunked, full)
 
 
@@ -304,7 +308,13 @@ def test_bad_cloud_is_rejected(op, arg, case):
 
 @pytest.mark.parametrize(
     "k, error",
-    [(0, ValueError), (-1, ValueError), (N_SMALL + 1, ValueError), (2.0, TypeError), (True, TypeError)],
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (N_SMALL + 1, ValueError),
+        (2.0, TypeError),
+        (True, TypeError),
+    ],
     ids=["zero", "negative", "more than N", "float", "bool"],
 )
 @pytest.mark.parametrize("op", ["knn", "knn_aggregate"])
@@ -313,13 +323,17 @@ def test_bad_k_is_rejected(op, k, error):
         call(op, **_valid(), k=k)
 
 
-@pytest.mark.parametrize("radius", [0.0, -0.1, math.inf, math.nan], ids=["zero", "negative", "inf", "nan"])
+@pytest.mark.parametrize(
+    "radius", [0.0, -0.1, math.inf, math.nan], ids=["zero", "negative", "inf", "nan"]
+)
 def test_bad_radius_is_rejected(radius):
     with pytest.raises(ValueError, match=names("radius")):
         call("radius_aggregate", **_valid(), radius=radius)
 
 
-@pytest.mark.parametrize("sigma", [0.0, -1.0, math.inf, math.nan], ids=["zero", "negative", "inf", "nan"])
+@pytest.mark.parametrize(
+    "sigma", [0.0, -1.0, math.inf, math.nan], ids=["zero", "negative", "inf", "nan"]
+)
 @pytest.mark.parametrize("op", ["knn_aggregate", "radius_aggregate"])
 def test_bad_sigma_is_rejected(op, sigma):
     with pytest.raises(ValueError, match=names("sigma")):
@@ -405,7 +419,9 @@ def test_cuda_only_backend_refuses_cpu_tensors(monkeypatch):
 
 def test_unavailable_backend_is_not_listed(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, "knn", dict(registry._REGISTRY["knn"]))
-    registry.register("knn", "not-installed", devices=("cpu",), available=lambda: False)(torch_backend.knn)
+    registry.register("knn", "not-installed", devices=("cpu",), available=lambda: False)(
+        torch_backend.knn
+    )
     assert "not-installed" not in extkernels.backends("knn")
 
 

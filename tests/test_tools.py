@@ -21,7 +21,11 @@ CPU = torch.device("cpu")
 def _command(*args, cwd, timeout=120, **env):
     full_env = {**os.environ, **env}
     return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -59,10 +63,21 @@ def test_time_fn_measures_milliseconds_per_call():
 def _rows():
     nan = math.nan
     return [
-        timing.Timing("base", forward_ms=10.0, train_ms=40.0, peak_mb=nan, hardware="CPU", n_ref=1, n_query=1),
-        timing.Timing("fast", forward_ms=2.5, train_ms=10.0, peak_mb=nan, hardware="CPU", n_ref=1, n_query=1),
-        {"variant": "slow", "forward_ms": 20.0, "train_ms": 80.0, "peak_mb": nan, "hardware": "CPU",
-         "n_ref": 1, "n_query": 1},
+        timing.Timing(
+            "base", forward_ms=10.0, train_ms=40.0, peak_mb=nan, hardware="CPU", n_ref=1, n_query=1
+        ),
+        timing.Timing(
+            "fast", forward_ms=2.5, train_ms=10.0, peak_mb=nan, hardware="CPU", n_ref=1, n_query=1
+        ),
+        {
+            "variant": "slow",
+            "forward_ms": 20.0,
+            "train_ms": 80.0,
+            "peak_mb": nan,
+            "hardware": "CPU",
+            "n_ref": 1,
+            "n_query": 1,
+        },
     ]
 
 
@@ -172,16 +187,29 @@ def test_run_eager_variant_at_a_tiny_problem(name, small_problem):
 
 
 def test_run_all_computes_speedups_per_workload(monkeypatch):
-    times = {"knn/torch": 10.0, "knn/torch+compile": 2.0, "radius/torch": 30.0, "radius/torch+compile": 60.0}
+    times = {
+        "knn/torch": 10.0,
+        "knn/torch+compile": 2.0,
+        "radius/torch": 30.0,
+        "radius/torch+compile": 60.0,
+    }
 
     def fake_run(variant, prob):
         ms = times[variant.name]
-        return {"variant": variant.name, "workload": variant.workload, "forward_ms": ms, "train_ms": 2 * ms}
+        return {
+            "variant": variant.name,
+            "workload": variant.workload,
+            "forward_ms": ms,
+            "train_ms": 2 * ms,
+        }
 
     monkeypatch.setattr(V, "run", fake_run)
     df = benchmark.run_all(list(times))
     assert df["forward_speedup"].to_dict() == {
-        "knn/torch": 1.0, "knn/torch+compile": 5.0, "radius/torch": 1.0, "radius/torch+compile": 0.5,
+        "knn/torch": 1.0,
+        "knn/torch+compile": 5.0,
+        "radius/torch": 1.0,
+        "radius/torch+compile": 0.5,
     }
     assert df["train_speedup"].to_dict() == df["forward_speedup"].to_dict()
 
@@ -193,8 +221,15 @@ def test_run_all_computes_speedups_per_workload(monkeypatch):
 def benchmark_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "out.json"
-    proc = _command("extkernels.benchmark", "--variants", "knn/torch", "--json", str(out), cwd=tmp,
-                    EXTKERNELS_SMALL="1")
+    proc = _command(
+        "extkernels.benchmark",
+        "--variants",
+        "knn/torch",
+        "--json",
+        str(out),
+        cwd=tmp,
+        EXTKERNELS_SMALL="1",
+    )
     return proc, out
 
 
@@ -242,7 +277,9 @@ def _write_notebook(path, *sources):
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("nb_ok")
-    path = _write_notebook(folder / "ok.ipynb", "1 + 1", "print('hello')", "import os; print(os.getcwd())")
+    path = _write_notebook(
+        folder / "ok.ipynb", "1 + 1", "print('hello')", "import os; print(os.getcwd())"
+    )
     proc = _command("extkernels.execute", str(path), cwd=tmp_path_factory.getbasetemp())
     return proc, path, folder
 

@@ -14,6 +14,8 @@ from .ops import backends, knn, knn_aggregate, radius_aggregate
 from .problem import Problem, problem
 
 __all__ = [
+    "memory",
+    "reference",
     "MLP",
     "KnnAggregation",
     "Problem",

@@ -59,21 +59,30 @@ def run_all(names: list[str] | None = None, *, isolate: bool = True) -> pd.DataF
     for workload, part in df.groupby("workload"):
         base = f"{workload}/torch"
         if base in part.index:
-            df.loc[part.index, "forward_speedup"] = part.loc[base, "forward_ms"] / part["forward_ms"]
+            df.loc[part.index, "forward_speedup"] = (
+                part.loc[base, "forward_ms"] / part["forward_ms"]
+            )
             df.loc[part.index, "train_speedup"] = part.loc[base, "train_ms"] / part["train_ms"]
     return df
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m extkernels.benchmark", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m extkernels.benchmark", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--variants", help="comma-separated variant names (default: all)")
-    ap.add_argument("--json", default="benchmark.json", help="where to write the table (default: %(default)s)")
+    ap.add_argument(
+        "--json", default="benchmark.json", help="where to write the table (default: %(default)s)"
+    )
     ap.add_argument("--list", action="store_true", help="list the variants and exit")
     ap.add_argument("--rows-only", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.list:
         for v in V.VARIANTS:
-            print(f"{v.name:28s} chapter {v.chapter:2d}  {'runs here' if v.available() else 'not here'}")
+            print(
+                f"{v.name:28s} chapter {v.chapter:2d}  "
+                f"{'runs here' if v.available() else 'not here'}"
+            )
         return 0
     names = args.variants.split(",") if args.variants else None
     if args.rows_only:  # child process of an isolated variant
@@ -86,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.width", 160, "display.float_format", "{:.3f}".format):
         print(df[[c for c in cols if c in df]].to_string())
     prob = problem()
-    meta = {"hardware": prob.hardware, "versions": versions()["version"].to_dict(),
-            "sizes": {"n_ref": prob.n_ref, "n_ref_radius": prob.n_ref_radius, "n_query": prob.n_query}}
+    meta = {
+        "hardware": prob.hardware,
+        "versions": versions()["version"].to_dict(),
+        "sizes": {"n_ref": prob.n_ref, "n_ref_radius": prob.n_ref_radius, "n_query": prob.n_query},
+    }
     with open(args.json, "w") as f:
         # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject NaN.
         rows = json.loads(df.reset_index().to_json(orient="records"))

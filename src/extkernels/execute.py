@@ -49,10 +49,16 @@ def execute(path: Path, *, timeout: int, kernel: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m extkernels.execute", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m extkernels.execute", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("paths", nargs="+", help="notebooks, or folders holding them")
-    ap.add_argument("--timeout", type=int, default=600, help="seconds per cell (default: %(default)s)")
-    ap.add_argument("--kernel", default="python3", help="Jupyter kernel name (default: %(default)s)")
+    ap.add_argument(
+        "--timeout", type=int, default=600, help="seconds per cell (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--kernel", default="python3", help="Jupyter kernel name (default: %(default)s)"
+    )
     args = ap.parse_args(argv)
     failed = []
     for path in _notebooks(args.paths):

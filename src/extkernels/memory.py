@@ -40,7 +40,9 @@ def use_rmm_pool(initial_pool_size: int | None = 2**30, statistics: bool = True)
 
     rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_size)
     if statistics:
-        rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource()))
+        rmm.mr.set_current_device_resource(
+            rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource())
+        )
     torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
     cupy.cuda.set_allocator(rmm_cupy_allocator)
 
@@ -51,7 +53,10 @@ def rmm_statistics() -> dict[str, float]:
 
     mr = rmm.mr.get_current_device_resource()
     if not isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
-        raise RuntimeError("rmm_statistics: the current RMM resource keeps no statistics (use_rmm_pool(statistics=True))")
+        raise RuntimeError(
+            "rmm_statistics: the current RMM resource keeps no statistics "
+            "(use_rmm_pool(statistics=True))"
+        )
     counts = mr.allocation_counts
     return {
         "current_mb": counts.current_bytes / 2**20,

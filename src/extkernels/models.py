@@ -36,7 +36,9 @@ class KnnAggregation(nn.Module):
         super().__init__()
         self.k, self.sigma, self.backend, self.options = k, sigma, backend, options
 
-    def forward(self, p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor
+    ) -> torch.Tensor:
         return knn_aggregate(
             p_query, p_ref, feats, self.k, self.sigma, backend=self.backend, **self.options
         )
@@ -52,7 +54,9 @@ class RadiusAggregation(nn.Module):
         super().__init__()
         self.radius, self.sigma, self.backend, self.options = radius, sigma, backend, options
 
-    def forward(self, p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor
+    ) -> torch.Tensor:
         return radius_aggregate(
             p_query, p_ref, feats, self.radius, self.sigma, backend=self.backend, **self.options
         )

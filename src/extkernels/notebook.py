@@ -37,7 +37,10 @@ def _driver() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         )
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
@@ -51,7 +54,11 @@ def versions() -> pd.DataFrame:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         rows += [
-            ("device", f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"),
+            (
+                "device",
+                f"{props.name} ({props.total_memory / 2**30:.0f} GiB, "
+                f"sm_{props.major}{props.minor})",
+            ),
             ("CUDA (torch)", torch.version.cuda or "n/a"),
             ("driver", _driver()),
         ]

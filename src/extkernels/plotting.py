@@ -46,7 +46,9 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     return fig
 
 
-def scaling_plot(df: pd.DataFrame, *, x: str, y: str, by: str, title: str, hardware: str, ylabel: str):
+def scaling_plot(
+    df: pd.DataFrame, *, x: str, y: str, by: str, title: str, hardware: str, ylabel: str
+):
     """Log-log lines of ``y`` against ``x``, one line per value of ``by``.
 
     Returns:
@@ -77,8 +79,11 @@ def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
     colors = {"GPU kernels": "tab:blue", "host waits": "tab:red"}
     for i, lane in enumerate(lanes):
         part = tl[tl["lane"] == lane]
-        ax.broken_barh(list(zip(part["start_ms"], part["end_ms"] - part["start_ms"])), (i - 0.35, 0.7),
-                       color=colors.get(lane, "tab:gray"))
+        ax.broken_barh(
+            list(zip(part["start_ms"], part["end_ms"] - part["start_ms"], strict=True)),
+            (i - 0.35, 0.7),
+            color=colors.get(lane, "tab:gray"),
+        )
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("time (ms)")
     ax.set_title(f"{title} — {hardware}", fontsize=10)

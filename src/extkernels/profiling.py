@@ -37,7 +37,9 @@ def profile(fn: Callable[[], object], *, device: torch.device, n_iters: int = 3,
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=activities, profile_memory=True, acc_events=True) as prof:
+    with torch.profiler.profile(
+        activities=activities, profile_memory=True, acc_events=True
+    ) as prof:
         for _ in range(n_iters):
             fn()
         if device.type == "cuda":
@@ -101,8 +103,14 @@ def generated_kernels(fn, *args) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-               "cudaMemcpy", "cudaMalloc", "cudaFree")
+_SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaMalloc",
+    "cudaFree",
+)
 
 
 # Runtime calls during which the host waits for the device (cudaFree synchronises it too).
@@ -155,7 +163,7 @@ def gpu_busy_fraction(tl: pd.DataFrame) -> float:
     if k.empty:
         return float("nan")
     busy, end = 0.0, -float("inf")
-    for s, e in zip(k["start_ms"], k["end_ms"]):
+    for s, e in zip(k["start_ms"], k["end_ms"], strict=True):
         if s > end:
             busy += e - s
         elif e > end:

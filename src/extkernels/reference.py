@@ -37,7 +37,9 @@ published = {
 }
 
 
-def knn_reference(p_query: torch.Tensor, p_ref: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+def knn_reference(
+    p_query: torch.Tensor, p_ref: torch.Tensor, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """k nearest neighbours by ``scipy.spatial.cKDTree`` in float64.
 
     Returns:
@@ -66,8 +68,12 @@ def validate_knn(
     near points may come in either order).
     """
     m = p_query.shape[0]
-    assert tuple(distances.shape) == (m, k), f"distances: shape {tuple(distances.shape)}, expected {(m, k)}"
-    assert tuple(indices.shape) == (m, k), f"indices: shape {tuple(indices.shape)}, expected {(m, k)}"
+    assert tuple(distances.shape) == (m, k), (
+        f"distances: shape {tuple(distances.shape)}, expected {(m, k)}"
+    )
+    assert tuple(indices.shape) == (m, k), (
+        f"indices: shape {tuple(indices.shape)}, expected {(m, k)}"
+    )
     assert distances.dtype == torch.float32, f"distances: dtype {distances.dtype}, expected float32"
     assert indices.dtype == torch.int64, f"indices: dtype {indices.dtype}, expected int64"
     ref_d, _ = knn_reference(p_query, p_ref, k)
@@ -84,11 +90,21 @@ def validate_knn(
     return True
 
 
-def validate_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str, atol: float, rtol: float = 0.0) -> bool:
-    """``actual`` matches ``expected`` in shape, dtype and values within ``atol + rtol |expected|``."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype}, expected {expected.dtype}"
+def validate_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, name: str, atol: float, rtol: float = 0.0
+) -> bool:
+    """``actual`` matches ``expected`` in shape, dtype and values, within
+    ``atol + rtol * |expected|``."""
+    assert actual.shape == expected.shape, (
+        f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    )
+    assert actual.dtype == expected.dtype, (
+        f"{name}: dtype {actual.dtype}, expected {expected.dtype}"
+    )
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     excess = ((a - e).abs() - (atol + rtol * e.abs())).max().item()
-    assert excess <= 0, f"{name}: differs from the reference beyond atol={atol}, rtol={rtol} (max excess {excess:.3g})"
+    assert excess <= 0, (
+        f"{name}: differs from the reference beyond atol={atol}, rtol={rtol} "
+        f"(max excess {excess:.3g})"
+    )
     return True

@@ -129,7 +129,9 @@ def time_projector(
     Returns:
         ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training step.
     """
-    step = make_train_step(model, params if params is not None else model.parameters(), p_query, p_ref, target)
+    step = make_train_step(
+        model, params if params is not None else model.parameters(), p_query, p_ref, target
+    )
 
     def forward() -> torch.Tensor:
         with torch.no_grad():
@@ -147,7 +149,9 @@ def time_projector(
 
 def timings_frame(rows: list[Timing | dict], baseline: str | None = None) -> pd.DataFrame:
     """Timing rows as a DataFrame indexed by variant, with speedups over ``baseline``."""
-    df = pd.DataFrame([asdict(r) if isinstance(r, Timing) else r for r in rows]).set_index("variant")
+    df = pd.DataFrame([asdict(r) if isinstance(r, Timing) else r for r in rows]).set_index(
+        "variant"
+    )
     if baseline is not None and baseline in df.index:
         df["forward_speedup"] = df.loc[baseline, "forward_ms"] / df["forward_ms"]
         df["train_speedup"] = df.loc[baseline, "train_ms"] / df["train_ms"]

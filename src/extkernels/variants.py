@@ -91,8 +91,16 @@ VARIANTS: list[Variant] = [
     Variant("knn/cuml+compile", "knn", "cuml", compile=True, chapter=3, options={"as_op": False}),
     Variant("knn/cuml-op", "knn", "cuml", chapter=3),
     Variant("knn/cuml-op+compile", "knn", "cuml", compile=True, fullgraph=True, chapter=3),
-    Variant("knn/cuml-op+compile+rmm", "knn", "cuml", compile=True, fullgraph=True, chapter=4,
-            isolated=True, setup=_rmm_pool),
+    Variant(
+        "knn/cuml-op+compile+rmm",
+        "knn",
+        "cuml",
+        compile=True,
+        fullgraph=True,
+        chapter=4,
+        isolated=True,
+        setup=_rmm_pool,
+    ),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),
 ]
@@ -130,9 +138,21 @@ def run(variant: Variant, prob: Problem) -> dict:
         warnings.filterwarnings("ignore", message=".*force_disable_caches")
         first_s = first_call_seconds(first, prob.device)
     t = time_projector(
-        run_model, p_query, p_ref, target, n_warmup=prob.n_warmup, n_iters=prob.n_iters,
+        run_model,
+        p_query,
+        p_ref,
+        target,
+        n_warmup=prob.n_warmup,
+        n_iters=prob.n_iters,
         params=model.parameters(),
     )
-    row = Timing(variant.name, t["forward_ms"], t["train_ms"], t["peak_mb"], prob.hardware,
-                 p_ref.shape[0], p_query.shape[0]).__dict__
+    row = Timing(
+        variant.name,
+        t["forward_ms"],
+        t["train_ms"],
+        t["peak_mb"],
+        prob.hardware,
+        p_ref.shape[0],
+        p_query.shape[0],
+    ).__dict__
     return {**row, "workload": variant.workload, "first_call_s": first_s}

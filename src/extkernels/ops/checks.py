@@ -38,7 +38,9 @@ def values_checked(t: torch.Tensor | None = None) -> bool:
 def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:
     """A point cloud: a contiguous, non-empty ``(n, 3)`` tensor of finite float32 coordinates."""
     if not isinstance(points, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape (n, 3), got {type(points).__name__}")
+        raise TypeError(
+            f"{name}: expected a torch.Tensor of shape (n, 3), got {type(points).__name__}"
+        )
     if points.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {want}, got {points.dtype}")
@@ -56,7 +58,9 @@ def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.
 def check_feats(feats: object, n_ref: int, *, dtypes=(torch.float32,)) -> torch.Tensor:
     """Per-reference-point features: a contiguous ``(n_ref, F)`` float32 tensor, ``F >= 1``."""
     if not isinstance(feats, torch.Tensor):
-        raise TypeError(f"feats: expected a torch.Tensor of shape (n_ref, F), got {type(feats).__name__}")
+        raise TypeError(
+            f"feats: expected a torch.Tensor of shape (n_ref, F), got {type(feats).__name__}"
+        )
     if feats.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"feats: expected dtype {want}, got {feats.dtype}")

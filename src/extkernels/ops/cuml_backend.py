@@ -15,7 +15,8 @@ memory PyTorch owns (nothing returned aliases cuML's buffers), and carries the
 tag tells inductor to leave the operator out of any graph it captures.
 
 Neither distances nor indices need a gradient: the weights depend only on geometry, and the
-features receive their gradient through the gather in :func:`~extkernels.ops.torch_backend.softmax_gather`.
+features receive their gradient through the gather in
+:func:`~extkernels.ops.torch_backend.softmax_gather`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int):
     return nn.kneighbors(query, n_neighbors=k, return_distance=True)
 
 
-def knn_plain(p_query: torch.Tensor, p_ref: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def knn_plain(
+    p_query: torch.Tensor, p_ref: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cuML's kNN called directly (no custom operator): ``(M, k)`` float32 distances ascending
     and ``(M, k)`` int64 indices. Breaks the graph of a compiled caller."""
     distances, indices = _search(p_query, p_ref, k)

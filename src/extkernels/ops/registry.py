@@ -30,7 +30,9 @@ class Backend:
 
     def runs_here(self) -> bool:
         """True when its library is importable and one of its devices exists on this machine."""
-        has_device = any(d == "cpu" or (d == "cuda" and torch.cuda.is_available()) for d in self.devices)
+        has_device = any(
+            d == "cpu" or (d == "cuda" and torch.cuda.is_available()) for d in self.devices
+        )
         return has_device and self.available()
 
 

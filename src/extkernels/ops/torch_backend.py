@@ -19,7 +19,9 @@ def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor
     if chunk_size is None:
         return (p_query,)
     if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive number of queries or None, got {chunk_size}")
+        raise ValueError(
+            f"chunk_size: expected a positive number of queries or None, got {chunk_size}"
+        )
     return p_query.split(chunk_size)
 
 
@@ -44,7 +46,9 @@ def knn(
     Returns:
         distances ``(M, k)`` ascending along each row, and indices ``(M, k)`` int64 into p_ref.
     """
-    parts = [_distances(q, p_ref).topk(k, dim=1, largest=False) for q in _chunks(p_query, chunk_size)]
+    parts = [
+        _distances(q, p_ref).topk(k, dim=1, largest=False) for q in _chunks(p_query, chunk_size)
+    ]
     if len(parts) == 1:
         return parts[0].values, parts[0].indices
     return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
