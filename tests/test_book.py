@@ -21,7 +21,9 @@ def _toc_files() -> list[str]:
 
 def test_every_toc_entry_exists():
     for f in _toc_files():
-        assert any((ROOT / f"{f}{ext}").exists() for ext in (".md", ".ipynb")), f"_toc.yml names {f}, which is missing"
+        assert any((ROOT / f"{f}{ext}").exists() for ext in (".md", ".ipynb")), (
+            f"_toc.yml names {f}, which is missing"
+        )
 
 
 def test_every_chapter_notebook_is_in_the_toc():
@@ -36,9 +38,13 @@ def built_site(tmp_path_factory) -> Path:
     jb = shutil.which("jupyter-book") or str(Path(sys.executable).with_name("jupyter-book"))
     result = subprocess.run(
         [jb, "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    assert result.returncode == 0, f"website build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"website build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    )
     return out / "_build" / "html"
 
 
