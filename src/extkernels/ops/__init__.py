@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cuml_backend, torch_backend  # noqa: F401  (each registers its backend)
+from . import cuml_backend, torch_backend, warp_backend  # noqa: F401  (each registers its backend)
 from .checks import check_cloud, check_feats, check_k, check_positive, check_same_device
 from .registry import backends, lookup
 

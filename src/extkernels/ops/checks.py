@@ -7,12 +7,18 @@ Checks on tensor *metadata* (dtype, shape, device, layout) are free and always r
 ``torch.compile`` traces. Checks on tensor *values* (finite coordinates) need the values on the
 host, which is a device synchronisation and, while tracing, a graph break; they therefore run
 in eager mode only. Compiled callers get them from the operators' own eager implementations.
+
+Because they synchronise, value checks can be switched off for a block of code with
+:func:`value_checks` (``with value_checks(False): ...``); the timing protocol does so after its
+warm-up, which ran with them on (chapter 7 measures what they cost).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -24,13 +30,27 @@ __all__ = [
     "check_positive",
     "check_same_device",
     "values_checked",
+    "value_checks",
 ]
+
+_enabled = {"values": True}
+
+
+@contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Turn the checks of tensor values on or off inside a ``with`` block (for every backend)."""
+    previous = _enabled["values"]
+    _enabled["values"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled["values"] = previous
 
 
 def values_checked(t: torch.Tensor | None = None) -> bool:
     """True where value checks can run: in eager mode on real tensors, not while
     ``torch.compile`` traces and not on the fake tensors of a fake implementation."""
-    if torch.compiler.is_compiling():
+    if not _enabled["values"] or torch.compiler.is_compiling():
         return False
     return t is None or not (is_fake(t) or t.device.type == "meta")
 

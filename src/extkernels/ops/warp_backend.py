@@ -1,0 +1,665 @@
+"""The ``warp`` backend: radius aggregation with NVIDIA Warp's hash grid.
+
+The brute force of chapter 1 compares every query with every reference point. Warp's
+:class:`warp.HashGrid` sorts the reference points into cubic cells of width ``radius``, so a
+query visits at most the 3 x 3 x 3 cells around it, and the cost grows with the number of actual
+neighbours instead of ``M x N``.
+
+Two kernels per forward pass, both walking the grid around each query:
+
+1. ``normaliser`` (one thread per query) finds the nearest neighbour's distance ``d0``, sums
+   ``exp((d0 - d) / sigma)`` over the neighbours within ``radius`` and stores ``d0`` and
+   ``1 / sum`` per query. The shift by ``d0`` cancels in the normalised weights and keeps
+   ``exp`` from underflowing, as in the torch reference; the sum is clamped to float32's
+   ``tiny``, so an empty neighbourhood gives zeros.
+2. ``aggregate`` (one thread per query *and* feature, launch dimension ``(M, F)``) sums
+   ``exp((d0 - d) / sigma) * feats[j, f]`` in a register over the same walk and writes
+   ``out[q, f]`` once. Neighbouring threads read neighbouring features of the same reference
+   point, so the reads of ``feats`` coalesce; the geometry is recomputed per feature, which is
+   cheap next to the memory traffic.
+
+Splitting the normaliser from the weighted sum keeps the second kernel linear in ``feats``, so
+Warp can differentiate it: the backward launches its *adjoint* (``wp.launch(...,
+adjoint=True)``) and Warp's autodiff scatters ``w_qj / sum_q * grad_out[q, f]`` into
+``grad_feats[j, f]`` with atomic adds. Warp's adjoint replays the dynamic grid loop and is exact
+for ``feats``, because the loop only accumulates into ``acc`` (a read-modify-write, which Warp
+reverses); it would not be for quantities that depend on the *final* ``acc`` (Warp's replay
+does not recompute it), so the normaliser stays in a kernel of its own whose adjoint is never
+taken. The same scatter written by hand is the ``manual`` backward.
+
+Operators (each with a fake implementation running the same metadata checks, so
+``torch.compile(fullgraph=True)`` traces through them without a graph break):
+
+- ``warp::radius_aggregate``: the forward, differentiable in ``feats`` through
+  :func:`torch.library.register_autograd`, its backward calling
+- ``warp::radius_aggregate_backward``: Warp's adjoint of the ``aggregate`` kernel;
+- ``warp::radius_aggregate_manual``: the same forward, its backward calling
+- ``warp::radius_aggregate_backward_manual``: the hand-written scatter kernel.
+
+The backend's ``backward="adjoint" | "manual"`` picks the forward operator. The choice is an
+operator name on purpose: a setting read by the autograd formula would be read once, at trace
+time, and compiled-graph caches (in memory and on disk) do not know about it.
+
+**How the hash grid reaches the backward.** A grid is a Warp object, not a tensor, so it cannot
+be an operator argument. The forward always builds a fresh grid and leaves it in a small LRU
+cache (:data:`GRID_CACHE_SIZE` entries) keyed by the reference cloud's identity and contents
+version ``(data_ptr, _version, shape, device, radius)``; the backward takes it out by the same
+key, and rebuilds it when it is not there (evicted, or a cloud changed in place). The lookup
+happens inside the backward operator's real implementation, at run time, so it works in eager
+mode and under ``torch.compile``, where ``setup_context`` runs once at trace time on fake
+tensors. Grids of forwards that never see a backward (inference) are evicted by later ones;
+:func:`clear_grid_cache` frees them at once.
+
+**No hidden synchronisation.** Tensors are handed to Warp as array descriptors over their own
+memory (``wp.from_torch(..., return_ctype=True)``, no copy). On CUDA, everything (the grid's
+stream-ordered allocations, its build, the kernels) runs on PyTorch's current stream through
+``wp.ScopedStream(wp.stream_from_torch(...))``, outputs and adjoint buffers are PyTorch
+tensors, and the host never waits for the device. A grid leaving the cache is freed only
+once a CUDA event recorded after its last kernel has completed, so its memory cannot be reused
+under a kernel still reading it. The one exception is the check that the coordinates are
+finite, which needs their values on the host: it runs by default, as in every other backend,
+and :func:`~extkernels.ops.checks.value_checks` turns it off where that synchronisation must go
+(timing runs).
+In eager mode the public entry point :func:`extkernels.radius_aggregate` checks the values
+once more before dispatching (and synchronises for it); call ``torch.ops.warp.*`` directly or
+compile the caller to avoid that.
+Because of the Python-side grid cache and that check, the operators carry the
+``cudagraph_unsafe`` tag: inductor leaves them out of CUDA graphs.
+
+Warp is imported on first use, not at package import: the operators and the backend are
+registered here, the kernels are compiled (and cached on disk by Warp) on the first call.
+"""
+
+# No ``from __future__ import annotations`` here: Warp reads the kernels' annotations as objects.
+import functools
+import importlib.util
+import math
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from .checks import (
+    check_cloud,
+    check_feats,
+    check_positive,
+    check_same_device,
+    values_checked,
+)
+from .registry import register
+
+__all__ = [
+    "available",
+    "radius_aggregate_op",
+    "radius_aggregate_manual_op",
+    "radius_aggregate_backward_op",
+    "radius_aggregate_backward_manual_op",
+    "radius_aggregate",
+    "grid_cache_size",
+    "clear_grid_cache",
+    "GRID_CACHE_SIZE",
+    "BACKWARDS",
+]
+
+#: Most hash grids kept between a forward and its backward (least recently built evicted first).
+GRID_CACHE_SIZE = 4
+#: Cells per axis of a grid on CUDA (cells wrap around, so any cloud fits; 128^3 cells cost
+#: 16 MB and keep aliased cells rare for clouds up to ~128 radii across).
+CUDA_GRID_DIM = 128
+#: Upper bound of the cells per axis on the CPU, where the grid is sized to the cloud.
+CPU_GRID_DIM_MAX = 64
+#: The backward implementations: Warp's adjoint of the forward kernel, or the hand-written one.
+BACKWARDS = ("adjoint", "manual")
+# Smallest normal float32: the clamp of the torch reference's normaliser.
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+def available() -> bool:
+    """Warp is installed (it is not imported here)."""
+    return importlib.util.find_spec("warp") is not None
+
+
+# ---------------------------------------------------------------- Warp, lazily
+
+
+@functools.cache
+def _warp() -> Any:
+    """Import and initialise Warp once (this prints Warp's banner)."""
+    import warp as wp
+
+    wp.init()
+    return wp
+
+
+@functools.cache
+def _kernels() -> Any:
+    """Define the Warp kernels once; Warp compiles them per device on first launch."""
+    wp = _warp()
+
+    @wp.kernel
+    def normaliser(
+        grid: wp.uint64,
+        p_query: wp.array(dtype=wp.vec3),
+        p_ref: wp.array(dtype=wp.vec3),
+        radius: float,
+        sigma: float,
+        shift: wp.array(dtype=float),
+        inv_norm: wp.array(dtype=float),
+    ):
+        # One thread per query. First the nearest in-radius distance d0, then
+        # 1 / sum_j exp((d0 - d_qj) / sigma) over d_qj <= radius: the shift cancels in the
+        # normalised weights and keeps exp() from underflowing when radius / sigma is large.
+        q = wp.tid()
+        x = p_query[q]
+        nearest = float(radius)
+        for j in wp.hash_grid_query(grid, x, radius):
+            nearest = wp.min(nearest, wp.length(x - p_ref[j]))
+        total = float(0.0)  # noqa: UP018 (a variable, not a constant, for Warp's loop)
+        for j in wp.hash_grid_query(grid, x, radius):
+            d = wp.length(x - p_ref[j])
+            if d <= radius:
+                total += wp.exp((nearest - d) / sigma)
+        shift[q] = nearest
+        # Clamped like the torch reference: an empty neighbourhood has total == 0 and its
+        # output stays 0 (0 * 1 / tiny), without an infinity.
+        inv_norm[q] = 1.0 / wp.max(total, _TINY)
+
+    @wp.kernel
+    def aggregate(
+        grid: wp.uint64,
+        p_query: wp.array(dtype=wp.vec3),
+        p_ref: wp.array(dtype=wp.vec3),
+        feats: wp.array2d(dtype=float),
+        shift: wp.array(dtype=float),
+        inv_norm: wp.array(dtype=float),
+        radius: float,
+        sigma: float,
+        out: wp.array2d(dtype=float),
+    ):
+        # One thread per (query, feature): a register accumulates the weighted features over
+        # the grid walk and out[q, f] is written once. Linear in feats, hence differentiable
+        # by Warp (its adjoint reverses the read-modify-write of acc).
+        q, f = wp.tid()
+        x = p_query[q]
+        d0 = shift[q]
+        acc = float(0.0)  # noqa: UP018
+        for j in wp.hash_grid_query(grid, x, radius):
+            d = wp.length(x - p_ref[j])
+            if d <= radius:
+                acc += wp.exp((d0 - d) / sigma) * feats[j, f]
+        out[q, f] = acc * inv_norm[q]
+
+    @wp.kernel
+    def scatter(
+        grid: wp.uint64,
+        p_query: wp.array(dtype=wp.vec3),
+        p_ref: wp.array(dtype=wp.vec3),
+        shift: wp.array(dtype=float),
+        inv_norm: wp.array(dtype=float),
+        radius: float,
+        sigma: float,
+        grad_out: wp.array2d(dtype=float),
+        grad_feats: wp.array2d(dtype=float),
+    ):
+        # The hand-written backward: grad_feats[j, f] += w_qj / sum_q * grad_out[q, f] for every
+        # neighbour j of q. Several queries share a neighbour, hence the atomic add.
+        q, f = wp.tid()
+        x = p_query[q]
+        d0 = shift[q]
+        g = grad_out[q, f] * inv_norm[q]
+        for j in wp.hash_grid_query(grid, x, radius):
+            d = wp.length(x - p_ref[j])
+            if d <= radius:
+                wp.atomic_add(grad_feats, j, f, wp.exp((d0 - d) / sigma) * g)
+
+    return types.SimpleNamespace(normaliser=normaliser, aggregate=aggregate, scatter=scatter)
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+@contextmanager
+def _on_torch_stream(device: torch.device) -> Iterator[Any]:
+    """Run the Warp calls inside on ``device``, on PyTorch's current stream there.
+
+    Yields the Warp device. Warp's own allocations (the grid's buffers) are stream-ordered on
+    the same stream, so nothing needs a synchronisation between PyTorch and Warp work.
+    """
+    wp = _warp()
+    wp_device = wp.device_from_torch(device)
+    if device.type != "cuda":
+        yield wp_device
+        return
+    torch_stream = torch.cuda.current_stream(device)
+    key = (torch_stream.device_index, torch_stream.cuda_stream)
+    stream = _streams.get(key)
+    if stream is None:
+        # One Warp wrapper per PyTorch stream, kept: creating one registers the stream with
+        # Warp, and dropping it releases Warp's per-stream sort scratch space.
+        stream = _streams[key] = wp.stream_from_torch(torch_stream)
+    # sync_enter=False: the inputs were produced on this very stream, nothing to wait for.
+    with wp.ScopedStream(stream, sync_enter=False):
+        yield wp_device
+
+
+def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
+    """A Warp array descriptor over ``t``'s memory (no copy, no gradient buffer)."""
+    return _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
+
+
+# ---------------------------------------------------------------- the grid cache
+
+
+@dataclass
+class _Retired:
+    grid: Any
+    event: Any  # a torch.cuda.Event recorded after the grid's last kernel
+
+
+_grids: "OrderedDict[tuple, Any]" = OrderedDict()
+_retired: list[_Retired] = []
+_lock = threading.Lock()
+
+
+def _grid_key(p_ref: torch.Tensor, radius: float) -> tuple:
+    # _version changes with every in-place write, so a cloud modified after the forward does not
+    # match its old grid; data_ptr + shape + device tell clouds apart.
+    return (p_ref.data_ptr(), p_ref._version, tuple(p_ref.shape), str(p_ref.device), float(radius))
+
+
+def _retire(grid: Any) -> None:
+    """Drop a grid once the kernels already queued on the current stream have finished.
+
+    Warp frees a grid's CUDA memory with a stream-ordered free on the legacy default stream, which
+    does not wait for work on PyTorch's other streams; holding the grid until an event recorded
+    here completes keeps its memory valid for every kernel launched with it, without waiting.
+    """
+    if grid.device.is_cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(torch.device("cuda", grid.device.ordinal)))
+        _retired.append(_Retired(grid, event))
+
+
+def _collect() -> None:
+    """Free the retired grids whose kernels have completed (a non-blocking event query)."""
+    _retired[:] = [r for r in _retired if not r.event.query()]
+
+
+def _build_grid(p_ref: torch.Tensor, radius: float) -> Any:
+    """A fresh hash grid over ``p_ref``, cells of width ``radius``, built on the current stream."""
+    wp = _warp()
+    device = wp.device_from_torch(p_ref.device)
+    if device.is_cuda:
+        dims = (CUDA_GRID_DIM,) * 3
+    else:
+        # On the CPU the values are at hand: size the grid to the cloud's bounding box (cells
+        # beyond it would only wrap around), which keeps the per-build clearing of cells small.
+        extent = (p_ref.amax(dim=0) - p_ref.amin(dim=0)).tolist()
+        dims = tuple(
+            max(1, min(CPU_GRID_DIM_MAX, int(e / radius) + 1))
+            if math.isfinite(e)
+            else CPU_GRID_DIM_MAX
+            for e in extent
+        )
+    grid = wp.HashGrid(*dims, device=device)
+    grid.build(wp.from_torch(p_ref, dtype=wp.vec3, requires_grad=False), radius)
+    return grid
+
+
+def _put_grid(key: tuple, grid: Any) -> None:
+    with _lock:
+        old = _grids.pop(key, None)
+        if old is not None:
+            _retire(old)
+        _grids[key] = grid
+        while len(_grids) > GRID_CACHE_SIZE:
+            _retire(_grids.popitem(last=False)[1])
+
+
+def _take_grid(p_ref: torch.Tensor, radius: float) -> Any:
+    """The grid the forward built over ``p_ref``, removed from the cache, or a fresh one."""
+    with _lock:
+        grid = _grids.pop(_grid_key(p_ref, radius), None)
+    return grid if grid is not None else _build_grid(p_ref, radius)
+
+
+def grid_cache_size() -> int:
+    """Number of hash grids waiting in the cache for a backward pass."""
+    with _lock:
+        return len(_grids)
+
+
+def clear_grid_cache() -> None:
+    """Free every cached hash grid (for example after inference, which leaves them behind)."""
+    with _lock:
+        while _grids:
+            _retire(_grids.popitem()[1])
+        _collect()
+
+
+# ---------------------------------------------------------------- the operators
+
+# cudagraph_unsafe (torch >= 2.9): inductor's CUDA graphs partition around these operators.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _check_inputs(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+    *,
+    values: bool,
+) -> tuple[float, float]:
+    """The checks shared by every operator here: metadata always, finite coordinates too when
+    ``values`` (the real forward, unless :func:`~.checks.value_checks` turned them off)."""
+    check_cloud("p_query", _for_checks(p_query, values))
+    check_cloud("p_ref", _for_checks(p_ref, values))
+    check_same_device(p_query=p_query, p_ref=p_ref)
+    check_feats(feats, p_ref.shape[0])
+    check_same_device(p_ref=p_ref, feats=feats)
+    return check_positive("radius", radius), check_positive("sigma", sigma)
+
+
+def _check_grad_out(grad_out: torch.Tensor, p_query: torch.Tensor, feats: torch.Tensor) -> None:
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
+    if grad_out.dtype != torch.float32:
+        raise TypeError(f"grad_out: expected dtype torch.float32, got {grad_out.dtype}")
+    want = (p_query.shape[0], feats.shape[1])
+    if tuple(grad_out.shape) != want:
+        raise ValueError(f"grad_out: expected shape {want} (M, F), got {tuple(grad_out.shape)}")
+    if not grad_out.is_contiguous():
+        raise ValueError("grad_out: expected a contiguous tensor (call .contiguous() first)")
+    check_same_device(p_query=p_query, grad_out=grad_out)
+
+
+def _for_checks(t: object, values: bool) -> object:
+    """``t`` itself, or without ``values`` a meta tensor of its shape, strides and dtype, on which
+    :func:`~.checks.check_cloud` runs only the metadata checks (fake tensors pass unchanged:
+    their values are never read)."""
+    if values or not isinstance(t, torch.Tensor) or is_fake(t):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _normalisers(
+    grid: Any, p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, sigma: float, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 1. Returns ``shift`` and ``inv_norm``, both ``(M,)`` float32: each query's
+    nearest in-radius distance ``d0`` and ``1 / sum_j exp((d0 - d_qj) / sigma)``."""
+    wp, k = _warp(), _kernels()
+    shift = torch.empty(p_query.shape[0], dtype=torch.float32, device=p_query.device)
+    inv_norm = torch.empty_like(shift)
+    wp.launch(
+        k.normaliser,
+        dim=p_query.shape[0],
+        inputs=[grid.id, _desc(p_query, wp.vec3), _desc(p_ref, wp.vec3), radius, sigma],
+        outputs=[_desc(shift), _desc(inv_norm)],
+        device=device,
+    )
+    return shift, inv_norm
+
+
+def _forward(
+    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+) -> torch.Tensor:
+    """The real forward of both forward operators: build the grid, launch both kernels, leave the
+    grid in the cache for the backward."""
+    radius, sigma = _check_inputs(p_query, p_ref, feats, radius, sigma, values=values_checked())
+    wp, k = _warp(), _kernels()
+    m, f = p_query.shape[0], feats.shape[1]
+    with _on_torch_stream(p_ref.device) as device:
+        with _lock:
+            _collect()
+        grid = _build_grid(p_ref, radius)
+        shift, inv_norm = _normalisers(grid, p_query, p_ref, radius, sigma, device)
+        out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
+        wp.launch(
+            k.aggregate,
+            dim=(m, f),
+            inputs=[
+                grid.id,
+                _desc(p_query, wp.vec3),
+                _desc(p_ref, wp.vec3),
+                _desc(feats),
+                _desc(shift),
+                _desc(inv_norm),
+                radius,
+                sigma,
+            ],
+            outputs=[_desc(out)],
+            device=device,
+        )
+        _put_grid(_grid_key(p_ref, radius), grid)
+    return out
+
+
+def _forward_fake(
+    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+) -> torch.Tensor:
+    # The same metadata checks as the real operator, so a compiled caller fails at trace time.
+    _check_inputs(p_query, p_ref, feats, radius, sigma, values=False)
+    return p_query.new_empty((p_query.shape[0], feats.shape[1]))
+
+
+@torch.library.custom_op(
+    "warp::radius_aggregate", mutates_args=(), device_types=("cpu", "cuda"), tags=_TAGS
+)
+def radius_aggregate_op(
+    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+) -> torch.Tensor:
+    """Radius-bounded aggregation by Warp's hash grid, as a PyTorch operator whose backward is
+    Warp's adjoint of the forward kernel (``warp::radius_aggregate_backward``).
+
+    Args:
+        p_query: ``(M, 3)`` float32, contiguous, finite.
+        p_ref: ``(N, 3)`` float32, contiguous, finite, on the same device.
+        feats: ``(N, F)`` float32, contiguous, on the same device.
+        radius: neighbourhood radius, > 0 (also the grid's cell width).
+        sigma: weight length scale, > 0.
+
+    Returns:
+        ``(M, F)`` float32: ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]``
+        over ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready on
+        PyTorch's current stream. Leaves the hash grid in the cache for the backward.
+    """
+    return _forward(p_query, p_ref, feats, radius, sigma)
+
+
+@torch.library.custom_op(
+    "warp::radius_aggregate_manual", mutates_args=(), device_types=("cpu", "cuda"), tags=_TAGS
+)
+def radius_aggregate_manual_op(
+    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+) -> torch.Tensor:
+    """The same forward as ``warp::radius_aggregate``, differentiated by the hand-written
+    kernel (``warp::radius_aggregate_backward_manual``). Same arguments and result.
+
+    The backward is chosen by the operator's name, not by a setting read while tracing: a
+    compiled graph records which operator it calls, so compiled-graph caches cannot mix them up.
+    """
+    return _forward(p_query, p_ref, feats, radius, sigma)
+
+
+radius_aggregate_op.register_fake(_forward_fake)
+radius_aggregate_manual_op.register_fake(_forward_fake)
+
+
+def _backward_impl(
+    grad_out: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+    kind: str,
+) -> torch.Tensor:
+    # Metadata only: the forward checked the values.
+    radius, sigma = _check_inputs(p_query, p_ref, feats, radius, sigma, values=False)
+    _check_grad_out(grad_out, p_query, feats)
+    wp, k = _warp(), _kernels()
+    m, f = grad_out.shape
+    with _on_torch_stream(p_ref.device) as device:
+        grid = _take_grid(p_ref, radius)
+        shift, inv_norm = _normalisers(grid, p_query, p_ref, radius, sigma, device)
+        # Fresh zeros every call: both kernels accumulate into grad_feats.
+        grad_feats = torch.zeros_like(feats)
+        common = [grid.id, _desc(p_query, wp.vec3), _desc(p_ref, wp.vec3)]
+        if kind == "adjoint":
+            # The adjoint of `aggregate`: the forward arguments again, then one adjoint per
+            # argument. Only feats and out have one; None is a null array (no gradient wanted)
+            # and 0.0 the adjoint of a float argument. Warp's backward kernel never stores to
+            # the forward output, so `out` may be null too.
+            wp.launch(
+                k.aggregate,
+                dim=(m, f),
+                inputs=[*common, _desc(feats), _desc(shift), _desc(inv_norm), radius, sigma],
+                outputs=[None],
+                adj_inputs=[0, None, None, _desc(grad_feats), None, None, 0.0, 0.0],
+                adj_outputs=[_desc(grad_out)],
+                adjoint=True,
+                device=device,
+            )
+        else:
+            wp.launch(
+                k.scatter,
+                dim=(m, f),
+                inputs=[*common, _desc(shift), _desc(inv_norm), radius, sigma, _desc(grad_out)],
+                outputs=[_desc(grad_feats)],
+                device=device,
+            )
+        with _lock:
+            _retire(grid)
+            _collect()
+    return grad_feats
+
+
+@torch.library.custom_op(
+    "warp::radius_aggregate_backward", mutates_args=(), device_types=("cpu", "cuda"), tags=_TAGS
+)
+def radius_aggregate_backward_op(
+    grad_out: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    """Gradient of ``warp::radius_aggregate`` w.r.t. ``feats``, by Warp's adjoint of the forward
+    kernel (``wp.launch(..., adjoint=True)``).
+
+    Args:
+        grad_out: ``(M, F)`` float32, contiguous: the gradient of the output.
+        p_query, p_ref, feats, radius, sigma: the forward's arguments.
+
+    Returns:
+        ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid out of
+        the cache, or builds one.
+    """
+    return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
+
+
+@torch.library.custom_op(
+    "warp::radius_aggregate_backward_manual",
+    mutates_args=(),
+    device_types=("cpu", "cuda"),
+    tags=_TAGS,
+)
+def radius_aggregate_backward_manual_op(
+    grad_out: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    """The same gradient as ``warp::radius_aggregate_backward``, by the hand-written scatter
+    kernel (``feats`` gives only the output's shape). Returns ``(N, F)`` float32."""
+    return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "manual")
+
+
+def _backward_fake(
+    grad_out: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    _check_inputs(p_query, p_ref, feats, radius, sigma, values=False)
+    _check_grad_out(grad_out, p_query, feats)
+    return torch.empty_like(feats)
+
+
+radius_aggregate_backward_op.register_fake(_backward_fake)
+radius_aggregate_backward_manual_op.register_fake(_backward_fake)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    p_query, p_ref, feats, radius, sigma = inputs
+    # Tensors for the backward; the hash grid is not among them (see the module docstring).
+    ctx.save_for_backward(p_query, p_ref, feats)
+    ctx.radius, ctx.sigma = radius, sigma
+
+
+def _autograd_formula(backward_op):
+    """The backward of a forward operator, calling ``backward_op`` for the gradient of ``feats``."""
+
+    def backward(ctx, grad_out: torch.Tensor):
+        p_query, p_ref, feats = ctx.saved_tensors
+        grad_feats = None
+        if ctx.needs_input_grad[2]:
+            # The incoming gradient may be a broadcast view (the backward of a sum is an expand).
+            grad_feats = backward_op(
+                grad_out.contiguous(), p_query, p_ref, feats, ctx.radius, ctx.sigma
+            )
+        # Coordinates get no gradient: the weights are a function of geometry only, as in the
+        # torch reference, which computes them under no_grad.
+        return None, None, grad_feats, None, None
+
+    return backward
+
+
+torch.library.register_autograd(
+    "warp::radius_aggregate",
+    _autograd_formula(torch.ops.warp.radius_aggregate_backward),
+    setup_context=_setup_context,
+)
+torch.library.register_autograd(
+    "warp::radius_aggregate_manual",
+    _autograd_formula(torch.ops.warp.radius_aggregate_backward_manual),
+    setup_context=_setup_context,
+)
+
+
+# ---------------------------------------------------------------- the backend
+
+
+@register("radius_aggregate", "warp", devices=("cpu", "cuda"), available=available)
+def radius_aggregate(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+    *,
+    backward: str = "adjoint",
+) -> torch.Tensor:
+    """Radius-bounded aggregation by ``torch.ops.warp.radius_aggregate``; returns ``(M, F)``.
+
+    ``backward="manual"`` calls ``torch.ops.warp.radius_aggregate_manual`` instead: the same
+    forward, differentiated by the hand-written kernel instead of Warp's adjoint.
+    """
+    if backward == "adjoint":
+        return torch.ops.warp.radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    if backward == "manual":
+        return torch.ops.warp.radius_aggregate_manual(p_query, p_ref, feats, radius, sigma)
+    raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")

@@ -1,0 +1,500 @@
+"""The ``warp`` backend of radius_aggregate against the brute-force torch reference.
+
+Runs on the CPU (Warp's CPU device) and, where CUDA is available, on the GPU as well. Warp
+compiles its kernels once per machine and device (cached in ~/.cache/warp), so only the first
+run of this file pays for it.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import extkernels
+from extkernels.models import Projector, RadiusAggregation
+from extkernels.ops import torch_backend
+from extkernels.ops import warp_backend as wb
+from extkernels.ops.checks import value_checks
+from extkernels.timing import make_train_step
+
+pytestmark = pytest.mark.skipif(not wb.available(), reason="warp-lang is not installed")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+N_REF = 400
+GRID_SIDE = 5
+N_FEATS = 25
+RADIUS = 0.3
+SIGMA = 0.1
+# float32 sums of a handful of weighted features in a different order than torch's matmul
+ATOL = RTOL = 1e-5
+FAR = 10.0  # a query this far from the (standard normal) cloud has no neighbour within RADIUS
+
+
+def problem(device, n_feats=N_FEATS):
+    """400 reference points with two duplicated pairs, a 5^3 query grid plus one far query."""
+    p_ref = extkernels.reference_cloud(N_REF, seed=0)
+    p_ref[1] = p_ref[0]
+    p_ref[3] = p_ref[2]
+    p_query = torch.cat([extkernels.query_grid(GRID_SIDE), torch.full((1, 3), FAR)])
+    feats = extkernels.features(N_REF, n_feats, seed=0)
+    return p_query.to(device), p_ref.to(device), feats.to(device)
+
+
+def warp_op(p_query, p_ref, feats, radius=RADIUS, sigma=SIGMA):
+    return torch.ops.warp.radius_aggregate(p_query, p_ref, feats, radius, sigma)
+
+
+FORWARD_OPS = ["radius_aggregate", "radius_aggregate_manual"]
+BACKWARD_OPS = ["radius_aggregate_backward", "radius_aggregate_backward_manual"]
+
+
+def reference_grad(p_query, p_ref, feats, grad_out, dtype):
+    f = feats.to(dtype).requires_grad_(True)
+    out = torch_backend.radius_aggregate(p_query.to(dtype), p_ref.to(dtype), f, RADIUS, SIGMA)
+    (g,) = torch.autograd.grad(out, f, grad_out.to(dtype))
+    return out.detach(), g
+
+
+@pytest.fixture(autouse=True)
+def _fresh_grid_cache():
+    wb.clear_grid_cache()
+    yield
+    wb.clear_grid_cache()
+
+
+@pytest.fixture
+def backward_calls(monkeypatch):
+    """The kinds of backward ("adjoint" or "manual") that actually ran, in order."""
+    calls = []
+    impl = wb._backward_impl
+
+    def spy(*args):
+        calls.append(args[-1])
+        return impl(*args)
+
+    monkeypatch.setattr(wb, "_backward_impl", spy)
+    return calls
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_warp_backend_is_listed():
+    assert "warp" in extkernels.backends("radius_aggregate")
+
+
+def test_importing_the_package_does_not_import_warp():
+    code = (
+        "import sys, torch, extkernels; "
+        "print('warp' in sys.modules, hasattr(torch.ops.warp, 'radius_aggregate'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
+# ---------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_matches_torch_reference(device):
+    p_query, p_ref, feats = problem(device)
+    out = extkernels.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA, backend="warp")
+    expected = torch_backend.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
+    assert out.shape == (p_query.shape[0], N_FEATS) and out.dtype == torch.float32
+    assert out.device.type == device
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    # the problem is not degenerate: some queries have neighbours, some (the far one) none
+    has_neighbours = expected.abs().sum(dim=1) > 0
+    assert 0 < int(has_neighbours.sum()) < p_query.shape[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_matches_float64_reference(device):
+    p_query, p_ref, feats = problem(device)
+    out = warp_op(p_query, p_ref, feats)
+    expected, _ = reference_grad(p_query, p_ref, feats, torch.zeros_like(out), torch.float64)
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_query_without_neighbour_gets_zeros(device):
+    p_query, p_ref, feats = problem(device)
+    out = warp_op(p_query, p_ref, feats)
+    assert bool((out[-1] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_duplicate_points_count_twice(device):
+    # Two copies of one point next to a single other point: the copy's weight doubles.
+    p_ref = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.1, 0.0, 0.0]], device=device)
+    feats = torch.tensor([[1.0], [1.0], [0.0]], device=device)
+    p_query = torch.tensor([[0.05, 0.0, 0.0]], device=device)
+    out = warp_op(p_query, p_ref, feats, 0.2, 0.1)
+    torch.testing.assert_close(out, torch.tensor([[2.0 / 3.0]], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_query_points_need_not_be_reference_points(device):
+    # a single query far outside the reference cloud's bounding box, plus one on a point
+    p_query, p_ref, feats = problem(device)
+    p_query = torch.stack([p_ref[5], torch.tensor([0.0, 0.0, -3.5], device=device)])
+    out = warp_op(p_query, p_ref, feats, 0.5, SIGMA)
+    expected = torch_backend.radius_aggregate(p_query, p_ref, feats, 0.5, SIGMA)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", wb.BACKWARDS)
+def test_gradient_matches_torch_reference(device, kind, backward_calls):
+    p_query, p_ref, feats = problem(device)
+    grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
+    f = feats.clone().requires_grad_(True)
+    out = extkernels.radius_aggregate(
+        p_query, p_ref, f, RADIUS, SIGMA, backend="warp", backward=kind
+    )
+    (grad,) = torch.autograd.grad(out, f, grad_out)
+    assert backward_calls == [kind]
+    _, expected32 = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
+    _, expected64 = reference_grad(p_query, p_ref, feats, grad_out, torch.float64)
+    torch.testing.assert_close(grad, expected32, atol=ATOL, rtol=RTOL)
+    # gradcheck needs float64 and the op is float32 only: compare with the float64 reference
+    torch.testing.assert_close(grad.double(), expected64, atol=ATOL, rtol=RTOL)
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_both_forward_operators_agree(device):
+    p_query, p_ref, feats = problem(device)
+    a = torch.ops.warp.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
+    b = torch.ops.warp.radius_aggregate_manual(p_query, p_ref, feats, RADIUS, SIGMA)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adjoint_and_manual_backward_operators_agree(device):
+    p_query, p_ref, feats = problem(device)
+    grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
+    args = (grad_out, p_query, p_ref, feats, RADIUS, SIGMA)
+    adjoint = torch.ops.warp.radius_aggregate_backward(*args)
+    manual = torch.ops.warp.radius_aggregate_backward_manual(*args)
+    assert adjoint.shape == feats.shape
+    torch.testing.assert_close(adjoint, manual, atol=ATOL, rtol=RTOL)
+    # neither mutates its inputs
+    assert bool((args[0] == grad_out).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_of_a_broadcast_output_gradient(device):
+    # out.sum() hands the backward an expanded (stride 0) gradient
+    p_query, p_ref, feats = problem(device)
+    f = feats.clone().requires_grad_(True)
+    warp_op(p_query, p_ref, f).sum().backward()
+    _, expected = reference_grad(
+        p_query, p_ref, feats, torch.ones(p_query.shape[0], N_FEATS, device=device), torch.float32
+    )
+    torch.testing.assert_close(f.grad, expected, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- the grid cache
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_takes_the_forward_grid_out_of_the_cache(device):
+    p_query, p_ref, feats = problem(device)
+    for _ in range(3):
+        f = feats.clone().requires_grad_(True)
+        out = warp_op(p_query, p_ref, f)
+        assert wb.grid_cache_size() == 1
+        out.square().sum().backward()
+        assert wb.grid_cache_size() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grid_cache_is_bounded_without_backward(device):
+    p_query, p_ref, feats = problem(device)
+    clouds = [p_ref + 0.01 * i for i in range(wb.GRID_CACHE_SIZE + 3)]
+    with torch.no_grad():
+        for cloud in clouds:
+            warp_op(p_query, cloud, feats)
+    assert wb.grid_cache_size() == wb.GRID_CACHE_SIZE
+    wb.clear_grid_cache()
+    assert wb.grid_cache_size() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_rebuilds_a_missing_grid(device):
+    p_query, p_ref, feats = problem(device)
+    grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
+    f = feats.clone().requires_grad_(True)
+    out = warp_op(p_query, p_ref, f)
+    wb.clear_grid_cache()
+    (grad,) = torch.autograd.grad(out, f, grad_out)
+    _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
+    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_cloud_changed_in_place_does_not_reuse_its_old_grid(device):
+    p_query, p_ref, feats = problem(device)
+    grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
+    cloud = p_ref.clone()
+    with torch.no_grad():
+        warp_op(p_query, cloud, feats)  # leaves a grid over the old contents in the cache
+    cloud.mul_(0.5)  # same memory, new contents (and a new version counter)
+    for op in (torch.ops.warp.radius_aggregate, torch.ops.warp.radius_aggregate_manual):
+        torch.testing.assert_close(
+            op(p_query, cloud, feats, RADIUS, SIGMA),
+            torch_backend.radius_aggregate(p_query, cloud, feats, RADIUS, SIGMA),
+            atol=ATOL,
+            rtol=RTOL,
+        )
+    wb.clear_grid_cache()
+    with torch.no_grad():
+        warp_op(p_query, cloud, feats)
+    cloud.mul_(2.0)
+    grad = torch.ops.warp.radius_aggregate_backward(grad_out, p_query, cloud, feats, RADIUS, SIGMA)
+    _, expected = reference_grad(p_query, cloud, feats, grad_out, torch.float32)
+    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+    assert wb.grid_cache_size() == 1  # the stale grid was not taken (the LRU evicts it later)
+
+
+# ---------------------------------------------------------------- operator checks
+
+
+def _opcheck_args(device):
+    p_query, p_ref, feats = problem(device, n_feats=3)
+    grad_out = torch.randn(p_query.shape[0], 3, device=device)
+    forward = (p_query, p_ref, feats.clone().requires_grad_(True), RADIUS, SIGMA)
+    # the backward operators are not differentiable themselves (no double backward): their
+    # inputs do not require grad
+    backward = (grad_out, p_query, p_ref, feats, RADIUS, SIGMA)
+    return {**dict.fromkeys(FORWARD_OPS, forward), **dict.fromkeys(BACKWARD_OPS, backward)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", FORWARD_OPS + BACKWARD_OPS)
+def test_opcheck(device, name):
+    # All of opcheck's default tests apply (schema, autograd registration, fake tensor,
+    # AOT dispatch with dynamic shapes), so none is left out.
+    op = getattr(torch.ops.warp, name).default
+    torch.library.opcheck(op, _opcheck_args(device)[name])
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", wb.BACKWARDS)
+def test_compiled_forward_and_backward_without_graph_breaks(device, kind, backward_calls):
+    torch._dynamo.reset()
+    p_query, p_ref, feats = problem(device, n_feats=4)
+    weights = torch.randn(4, device=device)
+
+    def loss_fn(p_query, p_ref, feats):
+        out = extkernels.radius_aggregate(
+            p_query, p_ref, feats, RADIUS, SIGMA, backend="warp", backward=kind
+        )
+        return (out * weights).sum()
+
+    explanation = torch._dynamo.explain(loss_fn)(p_query, p_ref, feats)
+    assert explanation.graph_break_count == 0
+    assert explanation.graph_count == 1
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    results = []
+    for fn in (loss_fn, compiled):
+        f = feats.clone().requires_grad_(True)
+        loss = fn(p_query, p_ref, f)
+        loss.backward()
+        results.append((loss.detach(), f.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=RTOL)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=ATOL, rtol=RTOL)
+    # eager and compiled both ran the chosen backward (compiled-graph caches did not mix them
+    # up), and the compiled backward took its grid out of the cache too
+    assert backward_calls == [kind, kind]
+    assert wb.grid_cache_size() == 0
+
+
+def test_fake_implementation_checks_shapes_at_trace_time():
+    p_query, p_ref, feats = problem("cpu")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def fn(p_query, p_ref, feats):
+        return torch.ops.warp.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
+
+    with pytest.raises(Exception, match="feats: expected one row per reference point"):
+        fn(p_query, p_ref, feats[:-1].contiguous())
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def _names(arg):
+    return rf"^{arg}: "
+
+
+def test_non_finite_reference_point_is_rejected():
+    p_query, p_ref, feats = problem("cpu")
+    p_ref[7, 1] = float("nan")
+    with pytest.raises(ValueError, match=_names("p_ref")):
+        warp_op(p_query, p_ref, feats)
+    p_ref[7, 1] = float("inf")
+    with pytest.raises(ValueError, match=_names("p_ref")):
+        extkernels.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA, backend="warp")
+
+
+def test_non_finite_query_point_is_rejected():
+    p_query, p_ref, feats = problem("cpu")
+    p_query[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=_names("p_query")):
+        warp_op(p_query, p_ref, feats)
+
+
+@pytest.mark.parametrize("radius", [0.0, -0.3, float("nan"), float("inf")])
+def test_non_positive_radius_is_rejected(radius):
+    p_query, p_ref, feats = problem("cpu")
+    with pytest.raises(ValueError, match=_names("radius")):
+        warp_op(p_query, p_ref, feats, radius=radius)
+
+
+def test_non_positive_sigma_is_rejected():
+    p_query, p_ref, feats = problem("cpu")
+    with pytest.raises(ValueError, match=_names("sigma")):
+        warp_op(p_query, p_ref, feats, sigma=0.0)
+
+
+def test_feats_with_wrong_rows_is_rejected():
+    p_query, p_ref, feats = problem("cpu")
+    with pytest.raises(ValueError, match=_names("feats")):
+        warp_op(p_query, p_ref, feats[:-1].contiguous())
+
+
+@pytest.mark.parametrize("name", ["p_query", "p_ref", "feats"])
+def test_float64_input_is_rejected(name):
+    args = dict(zip(["p_query", "p_ref", "feats"], problem("cpu"), strict=True))
+    args[name] = args[name].double()
+    with pytest.raises(TypeError, match=_names(name)):
+        warp_op(**args)
+
+
+def test_wrong_output_gradient_is_rejected():
+    p_query, p_ref, feats = problem("cpu")
+    grad_out = torch.randn(p_query.shape[0], N_FEATS + 1)
+    for op in (
+        torch.ops.warp.radius_aggregate_backward,
+        torch.ops.warp.radius_aggregate_backward_manual,
+    ):
+        with pytest.raises(ValueError, match=_names("grad_out")):
+            op(grad_out, p_query, p_ref, feats, RADIUS, SIGMA)
+
+
+def test_value_checks_can_be_turned_off():
+    # Without the check a NaN point is never within the radius: it drops out of every sum.
+    p_query, p_ref, feats = problem("cpu")
+    p_ref[7] = float("nan")
+    with value_checks(False):
+        out = warp_op(p_query, p_ref, feats)
+    keep = torch.arange(N_REF) != 7
+    expected = torch_backend.radius_aggregate(p_query, p_ref[keep], feats[keep], RADIUS, SIGMA)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_unknown_backward_is_rejected():
+    p_query, p_ref, feats = problem("cpu")
+    with pytest.raises(ValueError, match=_names("backward")):
+        extkernels.radius_aggregate(
+            p_query, p_ref, feats, RADIUS, SIGMA, backend="warp", backward="tape"
+        )
+
+
+# ---------------------------------------------------------------- no synchronisation
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", wb.BACKWARDS)
+def test_forward_and_backward_do_not_wait_for_the_gpu(kind):
+    # The GPU is kept busy by a long sleep kernel queued first on PyTorch's stream. Had the
+    # forward or the backward waited for the device (PyTorch's or Warp's synchronisation), the
+    # sleep would be over when they return.
+    p_query, p_ref, feats = problem("cuda")
+    f = feats.clone().requires_grad_(True)
+
+    op = (
+        torch.ops.warp.radius_aggregate
+        if kind == "adjoint"
+        else torch.ops.warp.radius_aggregate_manual
+    )
+
+    def forward_backward():
+        # the operator itself: the public entry point checks values in eager mode (a sync)
+        op(p_query, p_ref, f, RADIUS, SIGMA).square().sum().backward()
+
+    with value_checks(False):  # the one synchronisation there is, by design
+        forward_backward()  # warm-up: Warp loads its CUDA module once
+        torch.cuda.synchronize()
+        done = torch.cuda.Event()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")  # PyTorch-side synchronisations raise
+        try:
+            torch.cuda._sleep(2_000_000_000)  # about a second on a GPU at 2 GHz
+            forward_backward()
+            done.record()
+            assert not done.query(), "the host waited for the GPU"
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    _, expected = reference_grad(
+        p_query, p_ref, feats, 2 * warp_op(p_query, p_ref, feats), torch.float32
+    )
+    f.grad = None
+    forward_backward()
+    torch.testing.assert_close(f.grad, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_runs_on_a_side_stream():
+    p_query, p_ref, feats = problem("cuda")
+    expected = torch_backend.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # work queued before ours on the side stream
+        f = feats.clone().requires_grad_(True)
+        out = warp_op(p_query, p_ref, f)
+        out.sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    assert f.grad is not None
+
+
+# ---------------------------------------------------------------- in the model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", wb.BACKWARDS)
+def test_projector_training_step_reduces_the_loss(device, kind):
+    p_query, p_ref, _ = problem(device)
+    target = extkernels.targets(p_query.shape[0], seed=0, device=device)
+    torch.manual_seed(0)
+    model = Projector(RadiusAggregation(RADIUS, SIGMA, backend="warp", backward=kind)).to(device)
+    step = make_train_step(model, model.parameters(), p_query, p_ref, target, lr=1e-2)
+    losses = [float(step()) for _ in range(8)]
+    assert losses[-1] < losses[0]
+    assert wb.grid_cache_size() == 0
+
+
+def test_weights_do_not_underflow_when_radius_is_many_sigmas():
+    # exp(-d / sigma) is 0 in float32 for d / sigma > ~103; the shift by the nearest distance
+    # keeps the normalised weights exact: both points weigh in, the nearer far more.
+    p_ref = torch.tensor([[0.0, 0.0, 0.0], [0.05, 0.0, 0.0]])
+    p_query = torch.tensor([[1.2, 0.0, 0.0]])
+    feats = torch.tensor([[1.0], [2.0]])
+    out = warp_op(p_query, p_ref, feats, radius=1.5, sigma=0.01)
+    w_far = 1.0 / (1.0 + torch.exp(torch.tensor(5.0)).item())  # exp(-(1.2 - 1.15) / 0.01)
+    torch.testing.assert_close(out, torch.tensor([[1.0 * w_far + 2.0 * (1 - w_far)]]))
+    torch.testing.assert_close(
+        out, torch_backend.radius_aggregate(p_query, p_ref, feats, 1.5, 0.01), atol=1e-6, rtol=0
+    )
