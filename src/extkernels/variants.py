@@ -103,6 +103,17 @@ VARIANTS: list[Variant] = [
     ),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),
+    Variant("radius/warp", "radius", "warp", chapter=5),
+    Variant("radius/warp+compile", "radius", "warp", compile=True, fullgraph=True, chapter=6),
+    Variant(
+        "radius/warp-manual+compile",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=6,
+        options={"backward": "manual"},
+    ),
 ]
 
 

@@ -96,6 +96,7 @@ from .registry import register
 
 __all__ = [
     "available",
+    "init",
     "radius_aggregate_op",
     "radius_aggregate_manual_op",
     "radius_aggregate_backward_op",
@@ -133,8 +134,18 @@ def _warp() -> Any:
     """Import and initialise Warp once (this prints Warp's banner)."""
     import warp as wp
 
+    # No banner and no per-module load messages in the chapters' outputs; warnings still show.
+    wp.config.quiet = True
+    if hasattr(wp, "LOG_WARNING"):
+        wp.config.log_level = max(wp.config.log_level, wp.LOG_WARNING)
     wp.init()
     return wp
+
+
+def init() -> Any:
+    """Import and initialise Warp now (chapters call it in their first cells, so that Warp's
+    one-time messages land there); returns the ``warp`` module."""
+    return _warp()
 
 
 @functools.cache

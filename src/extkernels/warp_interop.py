@@ -1,0 +1,215 @@
+"""Warp and PyTorch, fast: the small experiments of chapter 7.
+
+Each function isolates one interop cost: how a tensor is handed to a Warp kernel
+(:func:`launch_saxpy`), PyTorch's deferred gradient allocation (:class:`SquaresNaive` against
+:class:`SquaresFixed`), whether Warp shares PyTorch's stream (:func:`saxpy_chain`), and capturing
+PyTorch and Warp work in one CUDA graph (:func:`capture`). The operators of
+:mod:`extkernels.ops.warp_backend` apply the fast choice of each.
+"""
+
+import functools
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+__all__ = [
+    "METHODS",
+    "launch_saxpy",
+    "SquaresNaive",
+    "SquaresFixed",
+    "squares_step",
+    "saxpy_chain",
+    "capture",
+]
+
+#: Ways of handing a tensor to ``wp.launch``.
+METHODS = ("from_torch", "from_torch(return_ctype=True)", "tensor directly")
+
+
+def _wp() -> Any:
+    from .ops.warp_backend import init
+
+    return init()
+
+
+@functools.cache
+def _kernels() -> Any:
+    wp = _wp()
+
+    @wp.kernel
+    def saxpy(x: wp.array(dtype=float), y: wp.array(dtype=float), a: float):
+        i = wp.tid()
+        y[i] = a * x[i] + y[i]
+
+    @wp.kernel(enable_backward=False)
+    def squares(a: wp.array(dtype=float), b: wp.array(dtype=float), out: wp.array(dtype=float)):
+        i = wp.tid()
+        out[i] = a[i] * a[i] + b[i] * b[i]
+
+    @wp.kernel(enable_backward=False)
+    def squares_grad(
+        grad_out: wp.array(dtype=float),
+        a: wp.array(dtype=float),
+        b: wp.array(dtype=float),
+        grad_a: wp.array(dtype=float),
+        grad_b: wp.array(dtype=float),
+    ):
+        i = wp.tid()
+        grad_a[i] = 2.0 * a[i] * grad_out[i]
+        grad_b[i] = 2.0 * b[i] * grad_out[i]
+
+    return saxpy, squares, squares_grad
+
+
+def _stream(t: torch.Tensor):
+    """Warp on PyTorch's current stream (CUDA), or nothing to do (CPU)."""
+    wp = _wp()
+    if t.is_cuda:
+        return wp.ScopedStream(
+            wp.stream_from_torch(torch.cuda.current_stream(t.device)), sync_enter=False
+        )
+    return nullcontext()
+
+
+def launch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float, method: str) -> None:
+    """``y += a * x`` by a Warp kernel, handing the tensors over one of :data:`METHODS`.
+
+    Args:
+        x, y: ``(n,)`` float32 on one device; ``y`` is updated in place.
+    """
+    wp = _wp()
+    saxpy, _, _ = _kernels()
+    if method == "from_torch":
+        args = [wp.from_torch(x), wp.from_torch(y)]
+    elif method == "from_torch(return_ctype=True)":
+        args = [wp.from_torch(x, return_ctype=True), wp.from_torch(y, return_ctype=True)]
+    elif method == "tensor directly":
+        args = [x, y]
+    else:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    with _stream(x):
+        wp.launch(saxpy, dim=x.shape[0], inputs=[*args, a], device=wp.device_from_torch(x.device))
+
+
+def _squares(a: torch.Tensor, b: torch.Tensor, convert: Callable) -> torch.Tensor:
+    wp = _wp()
+    _, squares, _ = _kernels()
+    out = torch.empty_like(a)
+    with _stream(a):
+        wp.launch(
+            squares,
+            dim=a.shape[0],
+            inputs=[convert(a), convert(b), convert(out)],
+            device=wp.device_from_torch(a.device),
+        )
+    return out
+
+
+def _squares_grad(grad_out, a, b, convert: Callable):
+    wp = _wp()
+    _, _, squares_grad = _kernels()
+    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+    with _stream(a):
+        wp.launch(
+            squares_grad,
+            dim=a.shape[0],
+            inputs=[
+                convert(grad_out.contiguous()),
+                convert(a),
+                convert(b),
+                convert(grad_a),
+                convert(grad_b),
+            ],
+            device=wp.device_from_torch(a.device),
+        )
+    return grad_a, grad_b
+
+
+class SquaresNaive(torch.autograd.Function):
+    """``a**2 + b**2`` by Warp, converting with plain ``wp.from_torch``.
+
+    ``a`` and ``b`` require gradients, so ``wp.from_torch`` allocates their ``.grad`` in the
+    forward pass, behind autograd's back; autograd later finds gradients it did not allocate and
+    synchronises the device before accumulating into them.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _squares(a, b, _wp().from_torch)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        return _squares_grad(grad_out, a, b, _wp().from_torch)
+
+
+def _plain(t: torch.Tensor):
+    return _wp().from_torch(t, requires_grad=False, return_ctype=True)
+
+
+class SquaresFixed(SquaresNaive):
+    """The same function, converting with ``requires_grad=False`` (and ``return_ctype=True``):
+    Warp never touches ``.grad``, autograd allocates the gradients itself."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _squares(a, b, _plain)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        return _squares_grad(grad_out, a, b, _plain)
+
+
+def squares_step(
+    fn: type[torch.autograd.Function], a: torch.Tensor, b: torch.Tensor
+) -> Callable[[], None]:
+    """A closure: fresh leaf copies of ``a`` and ``b`` (no ``.grad`` yet), forward, backward."""
+
+    def step() -> None:
+        a_ = a.detach().clone().requires_grad_(True)
+        b_ = b.detach().clone().requires_grad_(True)
+        fn.apply(a_, b_).sum().backward()
+
+    return step
+
+
+def saxpy_chain(x: torch.Tensor, y: torch.Tensor, n_links: int, *, shared: bool) -> torch.Tensor:
+    """Alternate ``n_links`` PyTorch ops and Warp launches on ``y``; returns ``y``.
+
+    With ``shared=True`` Warp launches on PyTorch's current stream and nothing waits. With
+    ``shared=False`` Warp uses its own stream, so every hand-over must synchronise: PyTorch's
+    stream before Warp reads, Warp's stream before PyTorch reads.
+    """
+    wp = _wp()
+    saxpy, _, _ = _kernels()
+    device = wp.device_from_torch(x.device)
+    xs, ys = _plain(x), _plain(y)
+    for _ in range(n_links):
+        y.mul_(0.5)
+        if shared or not x.is_cuda:
+            with _stream(x):
+                wp.launch(saxpy, dim=x.shape[0], inputs=[xs, ys, 1.0], device=device)
+        else:
+            torch.cuda.current_stream(x.device).synchronize()
+            wp.launch(saxpy, dim=x.shape[0], inputs=[xs, ys, 1.0], device=device)
+            wp.synchronize_stream(wp.get_stream(device))
+    return y
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Capture ``fn`` (PyTorch ops and Warp launches on PyTorch's current stream) in one CUDA
+    graph, after a warm-up run on a side stream as PyTorch requires. Replay with ``.replay()``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
