@@ -5,9 +5,9 @@ a forward pass plus a training step, then ``n_iters`` timed forward passes under
 ``torch.no_grad()`` and ``n_iters`` timed training steps (zero_grad, forward, mean squared error
 against the target, backward, Adam step). Every call recomputes the neighbours. The warm-up
 runs with every input check; the timed iterations skip the checks of tensor *values* (finite
-coordinates), which need a host synchronisation each, so that timings measure the computation. Timing goes
-through :class:`torch.utils.benchmark.Timer`, which synchronises the device around the timed
-block; results are milliseconds per iteration.
+coordinates), which need a host synchronisation each, so that timings measure the computation.
+Timing goes through :class:`torch.utils.benchmark.Timer`, which synchronises the device around
+the timed block; results are milliseconds per iteration.
 """
 
 from __future__ import annotations
