@@ -498,3 +498,20 @@ def test_weights_do_not_underflow_when_radius_is_many_sigmas():
     torch.testing.assert_close(
         out, torch_backend.radius_aggregate(p_query, p_ref, feats, 1.5, 0.01), atol=1e-6, rtol=0
     )
+
+
+@pytest.mark.parametrize("n_feats", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("kind", wb.BACKWARDS)
+def test_feature_counts_that_do_not_fill_a_chunk(n_feats, kind):
+    # Each thread handles CHUNK features; the columns past F must neither be written nor
+    # receive gradient.
+    p_query, p_ref, feats = problem("cpu", n_feats=n_feats)
+    f = feats.clone().requires_grad_(True)
+    grad_out = torch.randn(p_query.shape[0], n_feats, generator=torch.Generator().manual_seed(3))
+    out = extkernels.radius_aggregate(
+        p_query, p_ref, f, RADIUS, SIGMA, backend="warp", backward=kind
+    )
+    out.backward(grad_out)
+    expected, expected_grad = reference_grad(p_query, p_ref, feats, grad_out, torch.float64)
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(f.grad.double(), expected_grad, atol=ATOL, rtol=RTOL)

@@ -84,7 +84,10 @@ def allocation_calls(variant_name: str = "knn/cuml-op+compile", *, rmm: bool, n_
     model, run_model, (p_query, p_ref, target) = variants.get(variant_name).build(prob)
     step = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
     prof = profile(step, device=prob.device, n_iters=n_iters, warmup=3)
-    return runtime_calls(prof, names=("cudaMalloc", "cudaFree"))
+    names = ["cudaMalloc", "cudaFree"]
+    calls = runtime_calls(prof, names=tuple(names)).set_index("name")
+    # A call that never happened is a row of zeros, not a missing row.
+    return calls.reindex(sorted(set(names) | set(calls.index)), fill_value=0.0).reset_index()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "runtime_calls",
     "timeline",
     "gpu_busy_fraction",
+    "kernels_per_iteration",
 ]
 
 
@@ -170,3 +171,9 @@ def gpu_busy_fraction(tl: pd.DataFrame) -> float:
             busy += e - end
         end = max(end, e)
     return busy / (k["end_ms"].max() - k["start_ms"].min())
+
+
+def kernels_per_iteration(prof) -> float:
+    """Number of device kernels (and memsets/copies) launched per profiled iteration."""
+    n = getattr(prof, "n_iters", 1)
+    return sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / n

@@ -22,6 +22,7 @@ __all__ = [
     "squares_step",
     "saxpy_chain",
     "capture",
+    "synchronising_calls",
 ]
 
 #: Ways of handing a tensor to ``wp.launch``.
@@ -213,3 +214,21 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def synchronising_calls(fn: Callable[[], object]) -> int:
+    """How many synchronising operations PyTorch reports while ``fn`` runs once (its
+    synchronisation debug mode, which warns on each); 0 on the CPU."""
+    if not torch.cuda.is_available():
+        return 0
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)

@@ -7,23 +7,23 @@ neighbours instead of ``M x N``.
 
 Two kernels per forward pass, both walking the grid around each query:
 
-1. ``normaliser`` (one thread per query) finds the nearest neighbour's distance ``d0``, sums
-   ``exp((d0 - d) / sigma)`` over the neighbours within ``radius`` and stores ``d0`` and
-   ``1 / sum`` per query. The shift by ``d0`` cancels in the normalised weights and keeps
-   ``exp`` from underflowing, as in the torch reference; the sum is clamped to float32's
-   ``tiny``, so an empty neighbourhood gives zeros.
-2. ``aggregate`` (one thread per query *and* feature, launch dimension ``(M, F)``) sums
-   ``exp((d0 - d) / sigma) * feats[j, f]`` in a register over the same walk and writes
-   ``out[q, f]`` once. Neighbouring threads read neighbouring features of the same reference
-   point, so the reads of ``feats`` coalesce; the geometry is recomputed per feature, which is
-   cheap next to the memory traffic.
+1. ``normaliser`` (one thread per query, one walk with an online rescaling) finds the nearest
+   neighbour's distance ``d0``, sums ``exp((d0 - d) / sigma)`` over the neighbours within
+   ``radius`` and stores ``d0`` and ``1 / sum`` per query. The shift by ``d0`` cancels in the
+   normalised weights and keeps ``exp`` from underflowing, as in the torch reference; the sum
+   is clamped to float32's ``tiny``, so an empty neighbourhood gives zeros.
+2. ``aggregate`` (one thread per query and chunk of four features, launch dimension
+   ``(M, ceil(F / 4))``) sums ``exp((d0 - d) / sigma) * feats[j, f]`` in registers over the
+   same walk and writes each ``out[q, f]`` once. Neighbouring threads read neighbouring
+   features of the same reference point, so the reads of ``feats`` coalesce; four features a
+   thread amortise the walk, whose geometry would otherwise be recomputed for every feature.
 
 Splitting the normaliser from the weighted sum keeps the second kernel linear in ``feats``, so
 Warp can differentiate it: the backward launches its *adjoint* (``wp.launch(...,
 adjoint=True)``) and Warp's autodiff scatters ``w_qj / sum_q * grad_out[q, f]`` into
 ``grad_feats[j, f]`` with atomic adds. Warp's adjoint replays the dynamic grid loop and is exact
-for ``feats``, because the loop only accumulates into ``acc`` (a read-modify-write, which Warp
-reverses); it would not be for quantities that depend on the *final* ``acc`` (Warp's replay
+for ``feats``, because the loop only accumulates into its accumulators (read-modify-writes,
+which Warp reverses); it would not be for quantities that depend on a *final* sum (Warp's replay
 does not recompute it), so the normaliser stays in a kernel of its own whose adjoint is never
 taken. The same scatter written by hand is the ``manual`` backward.
 
@@ -41,13 +41,16 @@ operator name on purpose: a setting read by the autograd formula would be read o
 time, and compiled-graph caches (in memory and on disk) do not know about it.
 
 **How the hash grid reaches the backward.** A grid is a Warp object, not a tensor, so it cannot
-be an operator argument. The forward always builds a fresh grid and leaves it in a small LRU
-cache (:data:`GRID_CACHE_SIZE` entries) keyed by the reference cloud's identity and contents
-version ``(data_ptr, _version, shape, device, radius)``; the backward takes it out by the same
-key, and rebuilds it when it is not there (evicted, or a cloud changed in place). The lookup
-happens inside the backward operator's real implementation, at run time, so it works in eager
-mode and under ``torch.compile``, where ``setup_context`` runs once at trace time on fake
-tensors. Grids of forwards that never see a backward (inference) are evicted by later ones;
+be an operator argument. The forward always builds a fresh grid and leaves it, with the
+per-query normalisers of kernel 1, in a small LRU cache (:data:`GRID_CACHE_SIZE` entries) keyed
+by the reference cloud's identity and contents version ``(data_ptr, _version, shape, device,
+radius)``; the backward takes them out by the same key, and rebuilds both when they are not
+there (evicted, or a cloud changed in place). Grid *objects* whose kernels have completed are
+kept (:data:`SPARE_GRIDS` per device) and rebuilt in place by later forwards: a rebuild
+reuses their buffers, so no call allocates or frees a grid, yet no call reuses another's
+contents. The lookup happens inside the backward operator's real implementation, at run time,
+so it works in eager mode and under ``torch.compile``, where ``setup_context`` runs once at
+trace time on fake tensors. Grids of forwards that never see a backward (inference) are evicted by later ones;
 :func:`clear_grid_cache` frees them at once.
 
 **No hidden synchronisation.** Tensors are handed to Warp as array descriptors over their own
@@ -163,18 +166,21 @@ def _kernels() -> Any:
         shift: wp.array(dtype=float),
         inv_norm: wp.array(dtype=float),
     ):
-        # One thread per query. First the nearest in-radius distance d0, then
-        # 1 / sum_j exp((d0 - d_qj) / sigma) over d_qj <= radius: the shift cancels in the
-        # normalised weights and keeps exp() from underflowing when radius / sigma is large.
+        # One thread per query, one walk over the grid: the nearest in-radius distance d0 and
+        # 1 / sum_j exp((d0 - d_qj) / sigma) over d_qj <= radius. When a nearer neighbour turns
+        # up, the partial sum is rescaled to the new shift (an online softmax). The shift
+        # cancels in the normalised weights and keeps exp() from underflowing when radius /
+        # sigma is large.
         q = wp.tid()
         x = p_query[q]
         nearest = float(radius)
-        for j in wp.hash_grid_query(grid, x, radius):
-            nearest = wp.min(nearest, wp.length(x - p_ref[j]))
         total = float(0.0)  # noqa: UP018 (a variable, not a constant, for Warp's loop)
         for j in wp.hash_grid_query(grid, x, radius):
             d = wp.length(x - p_ref[j])
             if d <= radius:
+                if d < nearest:
+                    total = total * wp.exp((d - nearest) / sigma)
+                    nearest = d
                 total += wp.exp((nearest - d) / sigma)
         shift[q] = nearest
         # Clamped like the torch reference: an empty neighbourhood has total == 0 and its
@@ -193,18 +199,39 @@ def _kernels() -> Any:
         sigma: float,
         out: wp.array2d(dtype=float),
     ):
-        # One thread per (query, feature): a register accumulates the weighted features over
-        # the grid walk and out[q, f] is written once. Linear in feats, hence differentiable
-        # by Warp (its adjoint reverses the read-modify-write of acc).
-        q, f = wp.tid()
+        # One thread per query and chunk of CHUNK features: registers accumulate the weighted
+        # features over one grid walk, and each out[q, f] is written once. A chunk amortises
+        # the walk over 4 features; the columns past F are clamped on load and never stored,
+        # so they receive no gradient. Linear in feats, hence differentiable by Warp (its
+        # adjoint reverses the read-modify-writes of the accumulators).
+        q, c = wp.tid()
+        nf = feats.shape[1]
+        f0 = c * 4
+        f1 = wp.min(f0 + 1, nf - 1)
+        f2 = wp.min(f0 + 2, nf - 1)
+        f3 = wp.min(f0 + 3, nf - 1)
         x = p_query[q]
         d0 = shift[q]
-        acc = float(0.0)  # noqa: UP018
+        a0 = float(0.0)  # noqa: UP018
+        a1 = float(0.0)  # noqa: UP018
+        a2 = float(0.0)  # noqa: UP018
+        a3 = float(0.0)  # noqa: UP018
         for j in wp.hash_grid_query(grid, x, radius):
             d = wp.length(x - p_ref[j])
             if d <= radius:
-                acc += wp.exp((d0 - d) / sigma) * feats[j, f]
-        out[q, f] = acc * inv_norm[q]
+                w = wp.exp((d0 - d) / sigma)
+                a0 += w * feats[j, f0]
+                a1 += w * feats[j, f1]
+                a2 += w * feats[j, f2]
+                a3 += w * feats[j, f3]
+        s = inv_norm[q]
+        out[q, f0] = a0 * s
+        if f0 + 1 < nf:
+            out[q, f0 + 1] = a1 * s
+        if f0 + 2 < nf:
+            out[q, f0 + 2] = a2 * s
+        if f0 + 3 < nf:
+            out[q, f0 + 3] = a3 * s
 
     @wp.kernel
     def scatter(
@@ -219,15 +246,35 @@ def _kernels() -> Any:
         grad_feats: wp.array2d(dtype=float),
     ):
         # The hand-written backward: grad_feats[j, f] += w_qj / sum_q * grad_out[q, f] for every
-        # neighbour j of q. Several queries share a neighbour, hence the atomic add.
-        q, f = wp.tid()
+        # neighbour j of q, CHUNK features per thread. Several queries share a neighbour, hence
+        # the atomic adds.
+        q, c = wp.tid()
+        nf = grad_out.shape[1]
+        f0 = c * 4
         x = p_query[q]
         d0 = shift[q]
-        g = grad_out[q, f] * inv_norm[q]
+        s = inv_norm[q]
+        g0 = grad_out[q, f0] * s
+        g1 = float(0.0)  # noqa: UP018
+        g2 = float(0.0)  # noqa: UP018
+        g3 = float(0.0)  # noqa: UP018
+        if f0 + 1 < nf:
+            g1 = grad_out[q, f0 + 1] * s
+        if f0 + 2 < nf:
+            g2 = grad_out[q, f0 + 2] * s
+        if f0 + 3 < nf:
+            g3 = grad_out[q, f0 + 3] * s
         for j in wp.hash_grid_query(grid, x, radius):
             d = wp.length(x - p_ref[j])
             if d <= radius:
-                wp.atomic_add(grad_feats, j, f, wp.exp((d0 - d) / sigma) * g)
+                w = wp.exp((d0 - d) / sigma)
+                wp.atomic_add(grad_feats, j, f0, w * g0)
+                if f0 + 1 < nf:
+                    wp.atomic_add(grad_feats, j, f0 + 1, w * g1)
+                if f0 + 2 < nf:
+                    wp.atomic_add(grad_feats, j, f0 + 2, w * g2)
+                if f0 + 3 < nf:
+                    wp.atomic_add(grad_feats, j, f0 + 3, w * g3)
 
     return types.SimpleNamespace(normaliser=normaliser, aggregate=aggregate, scatter=scatter)
 
@@ -259,6 +306,15 @@ def _on_torch_stream(device: torch.device) -> Iterator[Any]:
         yield wp_device
 
 
+#: Features per thread of the aggregate and scatter kernels (the kernels' four accumulators).
+CHUNK = 4
+
+
+def _chunks(n_features: int) -> int:
+    """Threads per query: one per CHUNK features."""
+    return -(-n_features // CHUNK)
+
+
 def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
     """A Warp array descriptor over ``t``'s memory (no copy, no gradient buffer)."""
     return _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
@@ -284,22 +340,41 @@ def _grid_key(p_ref: torch.Tensor, radius: float) -> tuple:
     return (p_ref.data_ptr(), p_ref._version, tuple(p_ref.shape), str(p_ref.device), float(radius))
 
 
+#: Spare grid objects kept per (device, cell dimensions) for the next build.
+SPARE_GRIDS = 2
+_spare: dict[tuple, list[Any]] = {}
+
+
+def _recycle(grid: Any) -> None:
+    """Keep a grid object no kernel uses any more, for the next forward to rebuild in place:
+    a rebuild reuses its buffers, where a new grid allocates and a dropped one frees them."""
+    spare = _spare.setdefault((str(grid.device), grid.cell_dims), [])
+    if len(spare) < SPARE_GRIDS:
+        spare.append(grid)
+
+
 def _retire(grid: Any) -> None:
-    """Drop a grid once the kernels already queued on the current stream have finished.
+    """Hand a grid back once the kernels already queued on the current stream have finished.
 
     Warp frees a grid's CUDA memory with a stream-ordered free on the legacy default stream, which
-    does not wait for work on PyTorch's other streams; holding the grid until an event recorded
-    here completes keeps its memory valid for every kernel launched with it, without waiting.
+    does not wait for work on PyTorch's other streams, and a rebuild overwrites its buffers;
+    holding the grid until an event recorded here completes keeps its memory valid for every
+    kernel launched with it, without waiting.
     """
     if grid.device.is_cuda:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(torch.device("cuda", grid.device.ordinal)))
         _retired.append(_Retired(grid, event))
+    else:
+        _recycle(grid)  # CPU kernels have finished when wp.launch returns
 
 
 def _collect() -> None:
-    """Free the retired grids whose kernels have completed (a non-blocking event query)."""
+    """Recycle the retired grids whose kernels have completed (a non-blocking event query)."""
+    done = [r for r in _retired if r.event.query()]
     _retired[:] = [r for r in _retired if not r.event.query()]
+    for r in done:
+        _recycle(r.grid)
 
 
 def _build_grid(p_ref: torch.Tensor, radius: float) -> Any:
@@ -318,26 +393,33 @@ def _build_grid(p_ref: torch.Tensor, radius: float) -> Any:
             else CPU_GRID_DIM_MAX
             for e in extent
         )
-    grid = wp.HashGrid(*dims, device=device)
+    with _lock:
+        spare = _spare.get((str(device), tuple(dims)))
+        grid = spare.pop() if spare else None
+    if grid is None:
+        grid = wp.HashGrid(*dims, device=device)
+        grid.cell_dims = tuple(dims)  # the key under which _recycle keeps it
     grid.build(wp.from_torch(p_ref, dtype=wp.vec3, requires_grad=False), radius)
     return grid
 
 
-def _put_grid(key: tuple, grid: Any) -> None:
+def _put_grid(key: tuple, entry: tuple) -> None:
+    """Leave ``(grid, (shift, inv_norm))`` of a forward in the cache for its backward."""
     with _lock:
         old = _grids.pop(key, None)
         if old is not None:
-            _retire(old)
-        _grids[key] = grid
+            _retire(old[0])
+        _grids[key] = entry
         while len(_grids) > GRID_CACHE_SIZE:
-            _retire(_grids.popitem(last=False)[1])
+            _retire(_grids.popitem(last=False)[1][0])
 
 
-def _take_grid(p_ref: torch.Tensor, radius: float) -> Any:
-    """The grid the forward built over ``p_ref``, removed from the cache, or a fresh one."""
+def _take_grid(p_ref: torch.Tensor, radius: float) -> tuple:
+    """``(grid, (shift, inv_norm))`` the forward left over ``p_ref``, removed from the cache,
+    or ``(None, None)`` when it is not there (evicted, or the cloud changed in place)."""
     with _lock:
-        grid = _grids.pop(_grid_key(p_ref, radius), None)
-    return grid if grid is not None else _build_grid(p_ref, radius)
+        entry = _grids.pop(_grid_key(p_ref, radius), None)
+    return entry if entry is not None else (None, None)
 
 
 def grid_cache_size() -> int:
@@ -350,7 +432,7 @@ def clear_grid_cache() -> None:
     """Free every cached hash grid (for example after inference, which leaves them behind)."""
     with _lock:
         while _grids:
-            _retire(_grids.popitem()[1])
+            _retire(_grids.popitem()[1][0])
         _collect()
 
 
@@ -401,22 +483,18 @@ def _for_checks(t: object, values: bool) -> object:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _normalisers(
-    grid: Any, p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, sigma: float, device: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel 1. Returns ``shift`` and ``inv_norm``, both ``(M,)`` float32: each query's
-    nearest in-radius distance ``d0`` and ``1 / sum_j exp((d0 - d_qj) / sigma)``."""
+def _normalisers(grid: Any, points: tuple, m: int, radius: float, sigma: float, device: Any):
+    """Kernel 1 over the ``points`` descriptors ``(p_query, p_ref)``. Returns ``shift`` and
+    ``inv_norm`` tensors and their descriptors: each query's nearest in-radius distance ``d0``
+    and ``1 / sum_j exp((d0 - d_qj) / sigma)``, both ``(M,)`` float32."""
     wp, k = _warp(), _kernels()
-    shift = torch.empty(p_query.shape[0], dtype=torch.float32, device=p_query.device)
+    shift = torch.empty(m, dtype=torch.float32, device=wp.device_to_torch(device))
     inv_norm = torch.empty_like(shift)
+    descs = (_desc(shift), _desc(inv_norm))
     wp.launch(
-        k.normaliser,
-        dim=p_query.shape[0],
-        inputs=[grid.id, _desc(p_query, wp.vec3), _desc(p_ref, wp.vec3), radius, sigma],
-        outputs=[_desc(shift), _desc(inv_norm)],
-        device=device,
+        k.normaliser, dim=m, inputs=[grid.id, *points, radius, sigma], outputs=descs, device=device
     )
-    return shift, inv_norm
+    return (shift, inv_norm), descs
 
 
 def _forward(
@@ -431,25 +509,19 @@ def _forward(
         with _lock:
             _collect()
         grid = _build_grid(p_ref, radius)
-        shift, inv_norm = _normalisers(grid, p_query, p_ref, radius, sigma, device)
+        # One descriptor per tensor and call, shared by both launches.
+        points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
+        norm_tensors, norms = _normalisers(grid, points, m, radius, sigma, device)
         out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
         wp.launch(
             k.aggregate,
-            dim=(m, f),
-            inputs=[
-                grid.id,
-                _desc(p_query, wp.vec3),
-                _desc(p_ref, wp.vec3),
-                _desc(feats),
-                _desc(shift),
-                _desc(inv_norm),
-                radius,
-                sigma,
-            ],
+            dim=(m, _chunks(f)),
+            inputs=[grid.id, *points, _desc(feats), *norms, radius, sigma],
             outputs=[_desc(out)],
             device=device,
         )
-        _put_grid(_grid_key(p_ref, radius), grid)
+        # The backward needs the same grid and normalisers: leave them in the cache.
+        _put_grid(_grid_key(p_ref, radius), (grid, norm_tensors))
     return out
 
 
@@ -519,11 +591,16 @@ def _backward_impl(
     wp, k = _warp(), _kernels()
     m, f = grad_out.shape
     with _on_torch_stream(p_ref.device) as device:
-        grid = _take_grid(p_ref, radius)
-        shift, inv_norm = _normalisers(grid, p_query, p_ref, radius, sigma, device)
+        points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
+        grid, norms = _take_grid(p_ref, radius)
+        if norms is None:  # the forward's grid is gone: rebuild it and the normalisers
+            grid = _build_grid(p_ref, radius)
+            _, norms = _normalisers(grid, points, m, radius, sigma, device)
+        else:
+            norms = tuple(_desc(t) for t in norms)
         # Fresh zeros every call: both kernels accumulate into grad_feats.
         grad_feats = torch.zeros_like(feats)
-        common = [grid.id, _desc(p_query, wp.vec3), _desc(p_ref, wp.vec3)]
+        common = [grid.id, *points]
         if kind == "adjoint":
             # The adjoint of `aggregate`: the forward arguments again, then one adjoint per
             # argument. Only feats and out have one; None is a null array (no gradient wanted)
@@ -531,8 +608,8 @@ def _backward_impl(
             # the forward output, so `out` may be null too.
             wp.launch(
                 k.aggregate,
-                dim=(m, f),
-                inputs=[*common, _desc(feats), _desc(shift), _desc(inv_norm), radius, sigma],
+                dim=(m, _chunks(f)),
+                inputs=[*common, _desc(feats), *norms, radius, sigma],
                 outputs=[None],
                 adj_inputs=[0, None, None, _desc(grad_feats), None, None, 0.0, 0.0],
                 adj_outputs=[_desc(grad_out)],
@@ -542,8 +619,8 @@ def _backward_impl(
         else:
             wp.launch(
                 k.scatter,
-                dim=(m, f),
-                inputs=[*common, _desc(shift), _desc(inv_norm), radius, sigma, _desc(grad_out)],
+                dim=(m, _chunks(f)),
+                inputs=[*common, *norms, radius, sigma, _desc(grad_out)],
                 outputs=[_desc(grad_feats)],
                 device=device,
             )
