@@ -50,8 +50,8 @@ kept (:data:`SPARE_GRIDS` per device) and rebuilt in place by later forwards: a 
 reuses their buffers, so no call allocates or frees a grid, yet no call reuses another's
 contents. The lookup happens inside the backward operator's real implementation, at run time,
 so it works in eager mode and under ``torch.compile``, where ``setup_context`` runs once at
-trace time on fake tensors. Grids of forwards that never see a backward (inference) are evicted by later ones;
-:func:`clear_grid_cache` frees them at once.
+trace time on fake tensors. Grids of forwards that never see a backward (inference) are
+evicted by later ones; :func:`clear_grid_cache` frees them at once.
 
 **No hidden synchronisation.** Tensors are handed to Warp as array descriptors over their own
 memory (``wp.from_torch(..., return_ctype=True)``, no copy). On CUDA, everything (the grid's
