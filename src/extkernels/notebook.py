@@ -50,7 +50,11 @@ def _driver() -> str:
 def versions() -> pd.DataFrame:
     """The software and hardware this notebook runs on, one row each."""
     rows = [("python", platform.python_version())]
-    rows += [(label, _version(names)) for label, names in _PACKAGES]
+    # torch's own version string names its build (+cu130, +cpu); the package metadata may not.
+    rows += [
+        (label, torch.__version__ if label == "torch" else _version(names))
+        for label, names in _PACKAGES
+    ]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         rows += [
