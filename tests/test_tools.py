@@ -362,3 +362,20 @@ def test_execute_runs_the_rest_after_a_cell_timeout(tmp_path):
     proc = _command("extkernels.execute", str(tmp_path), "--timeout", "1", cwd=tmp_path)
     assert proc.returncode != 0
     assert nbformat.read(good, as_version=4).cells[0].execution_count == 1
+
+
+def test_variant_without_backward_thread_is_timed_with_autograd_multithreading_off(
+    monkeypatch, small_problem
+):
+    seen = []
+    real = V.time_projector
+
+    def spy(*args, **kwargs):
+        seen.append(torch._C._is_multithreading_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(V, "time_projector", spy)
+    V.run(V.get("radius/warp+1thread"), small_problem)
+    V.run(V.get("radius/warp"), small_problem)
+    assert seen == [False, True]
+    assert torch._C._is_multithreading_enabled()  # restored afterwards

@@ -38,6 +38,11 @@ class Variant:
         isolated: must run in a process of its own (it changes process-wide state, such as
             PyTorch's allocator), which the benchmark command arranges.
         setup: called once before anything is allocated on the device.
+        backward_thread: let autograd run CUDA backward nodes on its own device thread (the
+            default). With ``False`` the whole variant runs under
+            ``torch.autograd.set_multithreading_enabled(False)``, so backward passes run on the
+            calling thread: backward formulas written in Python (the Warp operators') then skip
+            the hand-over to that thread.
     """
 
     name: str
@@ -49,6 +54,7 @@ class Variant:
     options: dict = field(default_factory=dict)
     isolated: bool = False
     setup: Callable[[], None] | None = None
+    backward_thread: bool = True
 
     @property
     def op(self) -> str:
@@ -114,6 +120,16 @@ VARIANTS: list[Variant] = [
         chapter=6,
         options={"backward": "manual"},
     ),
+    Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
+    Variant(
+        "radius/warp+compile+1thread",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=7,
+        backward_thread=False,
+    ),
 ]
 
 
@@ -143,20 +159,21 @@ def run(variant: Variant, prob: Problem) -> dict:
     if variant.compile:
         torch._dynamo.reset()  # nothing compiled earlier in this process is reused
     model, run_model, (p_query, p_ref, target) = variant.build(prob)
-    first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
-    # Inductor's on-disk caches would turn a recompilation into a lookup: measure it cold.
-    with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*force_disable_caches")
-        first_s = first_call_seconds(first, prob.device)
-    t = time_projector(
-        run_model,
-        p_query,
-        p_ref,
-        target,
-        n_warmup=prob.n_warmup,
-        n_iters=prob.n_iters,
-        params=model.parameters(),
-    )
+    with torch.autograd.set_multithreading_enabled(variant.backward_thread):
+        first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+        # Inductor's on-disk caches would turn a recompilation into a lookup: measure it cold.
+        with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*force_disable_caches")
+            first_s = first_call_seconds(first, prob.device)
+        t = time_projector(
+            run_model,
+            p_query,
+            p_ref,
+            target,
+            n_warmup=prob.n_warmup,
+            n_iters=prob.n_iters,
+            params=model.parameters(),
+        )
     row = Timing(
         variant.name,
         t["forward_ms"],
