@@ -23,6 +23,7 @@ import pandas as pd
 from . import variants as V
 from .notebook import versions
 from .problem import problem
+from .timing import timings_frame
 
 __all__ = ["run_all", "main"]
 
@@ -55,14 +56,14 @@ def run_all(names: list[str] | None = None, *, isolate: bool = True) -> pd.DataF
         rows += _run_isolated(v.name) if (v.isolated and isolate) else [V.run(v, prob)]
     if not rows:
         raise SystemExit("no chosen variant can run on this machine (see --list)")
-    df = pd.DataFrame(rows).set_index("variant")
-    for workload, part in df.groupby("workload"):
-        base = f"{workload}/torch"
-        if base in part.index:
-            df.loc[part.index, "forward_speedup"] = (
-                part.loc[base, "forward_ms"] / part["forward_ms"]
-            )
-            df.loc[part.index, "train_speedup"] = part.loc[base, "train_ms"] / part["train_ms"]
+    # Speedups within each workload, over its eager brute force.
+    workloads = dict.fromkeys(r["workload"] for r in rows)
+    df = pd.concat(
+        [
+            timings_frame([r for r in rows if r["workload"] == w], baseline=f"{w}/torch")
+            for w in workloads
+        ]
+    )
     return df
 
 
