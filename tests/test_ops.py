@@ -432,3 +432,14 @@ def test_radius_aggregate_normalises_weights_when_all_neighbours_are_far_relativ
     out = extkernels.radius_aggregate(query, p_ref, feats, 1.5, 0.01)
     expected = ref_radius_aggregate(query, p_ref, feats, 1.5, 0.01)
     assert_close(out, expected, rtol=1e-4)
+
+
+def test_check_cloud_values_false_checks_metadata_only():
+    from extkernels.ops.checks import check_cloud
+
+    bad = torch.tensor([[0.0, float("nan"), 0.0]])
+    with pytest.raises(ValueError, match="p_ref: expected finite"):
+        check_cloud("p_ref", bad)
+    assert check_cloud("p_ref", bad, values=False) is bad
+    with pytest.raises(ValueError, match="p_ref: expected shape"):
+        check_cloud("p_ref", bad[:, :2], values=False)

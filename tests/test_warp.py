@@ -262,6 +262,97 @@ def test_a_cloud_changed_in_place_does_not_reuse_its_old_grid(device):
     assert wb.grid_cache_size() == 1  # the stale grid was not taken (the LRU evicts it later)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("second", ["other queries", "other sigma"])
+def test_backward_of_an_earlier_forward_over_the_same_cloud(device, second):
+    # Two forwards share p_ref but not the normalisers: the backward of the first must not
+    # take what the second left in the cache.
+    p_query, p_ref, feats = problem(device)
+    grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
+    f = feats.clone().requires_grad_(True)
+    out = warp_op(p_query, p_ref, f)
+    if second == "other queries":
+        warp_op(0.5 * p_query, p_ref, f)
+    else:
+        warp_op(p_query, p_ref, f, sigma=2 * SIGMA)
+    (grad,) = torch.autograd.grad(out, f, grad_out)
+    _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
+    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_walk_forward_leaves_the_normaliser_kernels_values(device):
+    # The forward's fused kernel stores shift and 1 / sum for the backward; the backward's
+    # rebuild path computes them with the `normaliser` kernel. Both must agree.
+    p_query, p_ref, feats = problem(device)
+    with torch.no_grad():
+        warp_op(p_query, p_ref, feats)
+    entry = wb._take_grid(wb._grid_key(p_query, p_ref, RADIUS, SIGMA))
+    where = wb._where(p_ref.device)
+    fresh = wb._new_entry(p_query, p_ref, RADIUS, where)
+    args = [fresh.grid.id, *fresh.points, RADIUS, SIGMA, *fresh.norm_descs]
+    wb._launch(wb._kernels().normaliser, (p_query.shape[0],), args, where)
+    for stored, recomputed in zip(entry.norms, fresh.norms, strict=True):
+        torch.testing.assert_close(stored, recomputed, atol=1e-6, rtol=1e-6)
+    assert float(entry.norms[1][-1]) == pytest.approx(1 / torch.finfo(torch.float32).tiny)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steady_state_rebuilds_spare_grids_instead_of_allocating(device, monkeypatch):
+    p_query, p_ref, feats = problem(device)
+    wp = wb.init()
+    step = lambda: warp_op(p_query, p_ref, feats.clone().requires_grad_(True)).sum().backward()  # noqa: E731
+    for _ in range(3):
+        step()
+    created = []
+    real = wp.HashGrid
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            created.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(wp, "HashGrid", Counting)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for _ in range(5):
+        step()
+    assert created == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_operators_run_from_several_threads(device):
+    # Recorded launch commands are per thread: concurrent callers must not overwrite each
+    # other's parameters.
+    import threading
+
+    p_query, p_ref, feats = problem(device)
+    expected = torch_backend.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
+    results, errors = [], []
+
+    def work(scale):
+        try:
+            for _ in range(20):
+                out = torch.ops.warp.radius_aggregate_manual(
+                    p_query, p_ref, scale * feats, RADIUS, SIGMA
+                )
+                results.append((scale, out))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (1.0, 2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(results) == 60
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for scale, out in results:
+        torch.testing.assert_close(out, scale * expected, atol=3 * ATOL, rtol=RTOL)
+
+
 # ---------------------------------------------------------------- operator checks
 
 

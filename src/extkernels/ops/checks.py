@@ -55,8 +55,14 @@ def values_checked(t: torch.Tensor | None = None) -> bool:
     return t is None or not (is_fake(t) or t.device.type == "meta")
 
 
-def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:
-    """A point cloud: a contiguous, non-empty ``(n, 3)`` tensor of finite float32 coordinates."""
+def check_cloud(
+    name: str, points: object, *, dtypes=(torch.float32,), values: bool | None = None
+) -> torch.Tensor:
+    """A point cloud: a contiguous, non-empty ``(n, 3)`` tensor of finite float32 coordinates.
+
+    ``values=False`` checks the metadata only (a caller whose inputs were checked already);
+    the default checks the values wherever :func:`values_checked` allows it.
+    """
     if not isinstance(points, torch.Tensor):
         raise TypeError(
             f"{name}: expected a torch.Tensor of shape (n, 3), got {type(points).__name__}"
@@ -70,7 +76,9 @@ def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.
         raise ValueError(f"{name}: expected at least one point, got an empty cloud of shape (0, 3)")
     if not points.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
-    if values_checked(points) and not bool(torch.isfinite(points).all()):
+    if values is None:
+        values = values_checked(points)
+    if values and not bool(torch.isfinite(points).all()):
         raise ValueError(f"{name}: expected finite coordinates, found NaN or infinity")
     return points
 

@@ -5,7 +5,7 @@ The brute force of chapter 1 compares every query with every reference point. Wa
 query visits at most the 3 x 3 x 3 cells around it, and the cost grows with the number of actual
 neighbours instead of ``M x N``.
 
-Two kernels per forward pass, both walking the grid around each query:
+The kernels walk the grid around each query:
 
 1. ``normaliser`` (one thread per query, one walk with an online rescaling) finds the nearest
    neighbour's distance ``d0``, sums ``exp((d0 - d) / sigma)`` over the neighbours within
@@ -14,18 +14,24 @@ Two kernels per forward pass, both walking the grid around each query:
    is clamped to float32's ``tiny``, so an empty neighbourhood gives zeros.
 2. ``aggregate`` (one thread per query and chunk of four features, launch dimension
    ``(M, ceil(F / 4))``) sums ``exp((d0 - d) / sigma) * feats[j, f]`` in registers over the
-   same walk and writes each ``out[q, f]`` once. Neighbouring threads read neighbouring
-   features of the same reference point, so the reads of ``feats`` coalesce; four features a
-   thread amortise the walk, whose geometry would otherwise be recomputed for every feature.
+   same walk, given ``d0`` and ``1 / sum``, and writes each ``out[q, f]`` once. Neighbouring
+   threads read neighbouring features of the same reference point, so the reads of ``feats``
+   coalesce; four features a thread amortise the walk, whose geometry would otherwise be
+   recomputed for every feature.
+3. ``aggregate_online`` is 1 and 2 in one walk, and it is what the forward launches: each
+   thread keeps its weighted sums relative to the nearest neighbour seen so far and rescales
+   them when a nearer one turns up. It writes the output and, from the first chunk's thread,
+   ``d0`` and ``1 / sum`` for the backward.
 
-Splitting the normaliser from the weighted sum keeps the second kernel linear in ``feats``, so
-Warp can differentiate it: the backward launches its *adjoint* (``wp.launch(...,
-adjoint=True)``) and Warp's autodiff scatters ``w_qj / sum_q * grad_out[q, f]`` into
-``grad_feats[j, f]`` with atomic adds. Warp's adjoint replays the dynamic grid loop and is exact
-for ``feats``, because the loop only accumulates into its accumulators (read-modify-writes,
-which Warp reverses); it would not be for quantities that depend on a *final* sum (Warp's replay
-does not recompute it), so the normaliser stays in a kernel of its own whose adjoint is never
-taken. The same scatter written by hand is the ``manual`` backward.
+``aggregate`` is linear in ``feats`` once the normalisers are known, so Warp can differentiate
+it: the backward launches its *adjoint* (``wp.launch(..., adjoint=True)``) with the
+normalisers the forward stored, and Warp's autodiff scatters ``w_qj / sum_q * grad_out[q, f]``
+into ``grad_feats[j, f]`` with atomic adds. Warp's adjoint replays the dynamic grid loop and is
+exact for ``feats``, because the loop only accumulates into its accumulators
+(read-modify-writes, which Warp reverses); it would not be for the online kernel, whose
+rescaling depends on the order of the neighbours and on sums not final until the loop ends.
+The same scatter written by hand is the ``manual`` backward. ``normaliser`` runs only when a
+backward finds no normalisers to reuse.
 
 Operators (each with a fake implementation running the same metadata checks, so
 ``torch.compile(fullgraph=True)`` traces through them without a graph break):
@@ -42,24 +48,33 @@ time, and compiled-graph caches (in memory and on disk) do not know about it.
 
 **How the hash grid reaches the backward.** A grid is a Warp object, not a tensor, so it cannot
 be an operator argument. The forward always builds a fresh grid and leaves it, with the
-per-query normalisers of kernel 1, in a small LRU cache (:data:`GRID_CACHE_SIZE` entries) keyed
-by the reference cloud's identity and contents version ``(data_ptr, _version, shape, device,
-radius)``; the backward takes them out by the same key, and rebuilds both when they are not
-there (evicted, or a cloud changed in place). Grid *objects* whose kernels have completed are
-kept (:data:`SPARE_GRIDS` per device) and rebuilt in place by later forwards: a rebuild
-reuses their buffers, so no call allocates or frees a grid, yet no call reuses another's
-contents. The lookup happens inside the backward operator's real implementation, at run time,
+per-query normalisers, in a small LRU cache (:data:`GRID_CACHE_SIZE` entries) keyed by what
+they depend on: the identity and contents version ``(data_ptr, _version, shape, device)`` of
+both clouds, ``radius`` and ``sigma``. The backward takes them out by the same key, and
+rebuilds both when they are not there (evicted, or an input changed in place). Grid *objects*
+no kernel will read any more are kept (:data:`SPARE_GRIDS` per device and stream) and rebuilt
+in place by later forwards on the same stream: a rebuild reuses their buffers, so no call
+allocates or frees a grid in steady state, yet no call reuses another's contents.
+The lookup happens inside the backward operator's real implementation, at run time,
 so it works in eager mode and under ``torch.compile``, where ``setup_context`` runs once at
 trace time on fake tensors. Grids of forwards that never see a backward (inference) are
 evicted by later ones; :func:`clear_grid_cache` frees them at once.
 
 **No hidden synchronisation.** Tensors are handed to Warp as array descriptors over their own
 memory (``wp.from_torch(..., return_ctype=True)``, no copy). On CUDA, everything (the grid's
-stream-ordered allocations, its build, the kernels) runs on PyTorch's current stream through
-``wp.ScopedStream(wp.stream_from_torch(...))``, outputs and adjoint buffers are PyTorch
-tensors, and the host never waits for the device. A grid leaving the cache is freed only
-once a CUDA event recorded after its last kernel has completed, so its memory cannot be reused
-under a kernel still reading it. The one exception is the check that the coordinates are
+stream-ordered allocations, its build, the kernels) runs on PyTorch's current stream (the
+build inside ``wp.ScopedStream``, the kernels by the stream argument of their launch),
+outputs and adjoint buffers are PyTorch tensors, and the host never waits for the device. A
+grid is dropped only once a CUDA event recorded after its last kernel has completed, so its
+memory cannot be reused under a kernel still reading it.
+
+**Little work per call.** A training step is short enough here that the host's Python, not
+the GPU, sets its pace, so the operators keep their per-call work small: one walk in the
+forward, descriptors instead of ``wp.array`` objects, launches replayed from recorded
+:class:`warp.Launch` commands (see :func:`_launch`), grids rebuilt in place, and no event
+unless a grid is dropped. Chapter 7 measures each of these.
+
+The one exception to "no synchronisation" is the check that the coordinates are
 finite, which needs their values on the host: it runs by default, as in every other backend,
 and :func:`~extkernels.ops.checks.value_checks` turns it off where that synchronisation must go
 (timing runs).
@@ -80,13 +95,10 @@ import math
 import threading
 import types
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .checks import (
     check_cloud,
@@ -276,34 +288,110 @@ def _kernels() -> Any:
                 if f0 + 3 < nf:
                     wp.atomic_add(grad_feats, j, f0 + 3, w * g3)
 
-    return types.SimpleNamespace(normaliser=normaliser, aggregate=aggregate, scatter=scatter)
+    @wp.kernel(enable_backward=False)
+    def aggregate_online(
+        grid: wp.uint64,
+        p_query: wp.array(dtype=wp.vec3),
+        p_ref: wp.array(dtype=wp.vec3),
+        feats: wp.array2d(dtype=float),
+        radius: float,
+        sigma: float,
+        out: wp.array2d(dtype=float),
+        shift: wp.array(dtype=float),
+        inv_norm: wp.array(dtype=float),
+    ):
+        # The forward in one walk: `normaliser` and `aggregate` fused. The thread keeps the
+        # nearest distance so far, the sum of the weights and the weighted features, all
+        # relative to that nearest distance; a nearer neighbour rescales them (an online
+        # softmax). The result equals `aggregate` after `normaliser` up to rounding, and the
+        # first chunk's thread stores the final shift and 1 / sum for the backward, which
+        # differentiates `aggregate` (this loop's rescaling is not for Warp to reverse).
+        q, c = wp.tid()
+        nf = feats.shape[1]
+        f0 = c * 4
+        f1 = wp.min(f0 + 1, nf - 1)
+        f2 = wp.min(f0 + 2, nf - 1)
+        f3 = wp.min(f0 + 3, nf - 1)
+        x = p_query[q]
+        nearest = float(radius)
+        total = float(0.0)  # noqa: UP018
+        a0 = float(0.0)  # noqa: UP018
+        a1 = float(0.0)  # noqa: UP018
+        a2 = float(0.0)  # noqa: UP018
+        a3 = float(0.0)  # noqa: UP018
+        for j in wp.hash_grid_query(grid, x, radius):
+            d = wp.length(x - p_ref[j])
+            if d <= radius:
+                if d < nearest:
+                    scale = wp.exp((d - nearest) / sigma)
+                    total = total * scale
+                    a0 = a0 * scale
+                    a1 = a1 * scale
+                    a2 = a2 * scale
+                    a3 = a3 * scale
+                    nearest = d
+                w = wp.exp((nearest - d) / sigma)
+                total += w
+                a0 += w * feats[j, f0]
+                a1 += w * feats[j, f1]
+                a2 += w * feats[j, f2]
+                a3 += w * feats[j, f3]
+        s = 1.0 / wp.max(total, _TINY)
+        out[q, f0] = a0 * s
+        if f0 + 1 < nf:
+            out[q, f0 + 1] = a1 * s
+        if f0 + 2 < nf:
+            out[q, f0 + 2] = a2 * s
+        if f0 + 3 < nf:
+            out[q, f0 + 3] = a3 * s
+        if c == 0:
+            shift[q] = nearest
+            inv_norm[q] = s
+
+    return types.SimpleNamespace(
+        normaliser=normaliser,
+        aggregate=aggregate,
+        aggregate_online=aggregate_online,
+        scatter=scatter,
+    )
+
+
+# ---------------------------------------------------------------- streams, descriptors, launches
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a call runs: the Warp device and, on CUDA, the Warp wrapper of PyTorch's current
+    stream and that stream's ``(device index, handle)`` (both ``None`` on the CPU)."""
+
+    device: Any
+    stream: Any
+    stream_key: tuple | None
+
+
+@functools.cache
+def _warp_device(device: torch.device) -> Any:
+    return _warp().device_from_torch(device)
 
 
 _streams: dict[tuple[int, int], Any] = {}
 
 
-@contextmanager
-def _on_torch_stream(device: torch.device) -> Iterator[Any]:
-    """Run the Warp calls inside on ``device``, on PyTorch's current stream there.
-
-    Yields the Warp device. Warp's own allocations (the grid's buffers) are stream-ordered on
-    the same stream, so nothing needs a synchronisation between PyTorch and Warp work.
-    """
-    wp = _warp()
-    wp_device = wp.device_from_torch(device)
+def _where(device: torch.device) -> _Where:
+    """The Warp device of ``device`` and, on CUDA, PyTorch's current stream there as a Warp
+    stream. Every launch goes to that stream, so Warp work is ordered with PyTorch's without
+    any synchronisation."""
+    wp_device = _warp_device(device)
     if device.type != "cuda":
-        yield wp_device
-        return
+        return _Where(wp_device, None, None)
     torch_stream = torch.cuda.current_stream(device)
     key = (torch_stream.device_index, torch_stream.cuda_stream)
     stream = _streams.get(key)
     if stream is None:
         # One Warp wrapper per PyTorch stream, kept: creating one registers the stream with
         # Warp, and dropping it releases Warp's per-stream sort scratch space.
-        stream = _streams[key] = wp.stream_from_torch(torch_stream)
-    # sync_enter=False: the inputs were produced on this very stream, nothing to wait for.
-    with wp.ScopedStream(stream, sync_enter=False):
-        yield wp_device
+        stream = _streams[key] = _warp().stream_from_torch(torch_stream)
+    return _Where(wp_device, stream, key)
 
 
 #: Features per thread of the aggregate and scatter kernels (the kernels' four accumulators).
@@ -320,67 +408,121 @@ def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
     return _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
 
 
+# Recorded launch commands, per thread (the forward runs on the caller's thread, the backward on
+# autograd's device thread; a command must not be re-parametrised by two threads at once).
+_commands = threading.local()
+
+
+def _launch(
+    kernel: Any, dim: tuple, inputs: list, where: _Where, adj_inputs: list | None = None
+) -> None:
+    """Launch ``kernel`` (its adjoint when ``adj_inputs`` is given) on ``where``'s stream.
+
+    ``wp.launch`` converts and checks every argument on every call. Here the first launch of a
+    kernel on a device records a :class:`warp.Launch` command (``wp.launch(...,
+    record_cmd=True)``); later launches only overwrite its parameters with the new descriptors
+    and scalars (``set_param_at_index_from_ctype``, no conversion) and replay it.
+    ``None`` array arguments stay as recorded (null arrays), so they must be ``None`` on every
+    call of the same kernel.
+    """
+    adjoint = adj_inputs is not None
+    key = (kernel.key, adjoint, where.device.alias)
+    commands = _commands.__dict__
+    entry = commands.get(key)
+    if entry is None:
+        cmd = _warp().launch(
+            kernel,
+            dim=dim,
+            inputs=inputs,
+            adj_inputs=adj_inputs or [],
+            adjoint=adjoint,
+            device=where.device,
+            record_cmd=True,
+        )
+        commands[key] = [cmd, dim]
+    else:
+        cmd, last_dim = entry
+        if dim != last_dim:
+            cmd.set_dim(dim)
+            entry[1] = dim
+        for i, value in enumerate(inputs):
+            if value is not None:
+                cmd.set_param_at_index_from_ctype(i, value)
+        for i, value in enumerate(adj_inputs or ()):
+            if value is not None:
+                cmd.set_param_at_index_from_ctype(i, value, adjoint=True)
+    cmd.launch(where.stream)
+
+
 # ---------------------------------------------------------------- the grid cache
 
 
 @dataclass
-class _Retired:
+class _Entry:
+    """What a forward leaves for its backward: the grid, the per-query normalisers (tensors
+    and their descriptors), the descriptors of the two clouds, and where its kernels ran."""
+
     grid: Any
-    event: Any  # a torch.cuda.Event recorded after the grid's last kernel
+    norms: tuple  # (shift, inv_norm) tensors, kept alive for their descriptors
+    norm_descs: tuple
+    points: tuple  # descriptors of (p_query, p_ref)
+    where: _Where
 
 
-_grids: "OrderedDict[tuple, Any]" = OrderedDict()
-_retired: list[_Retired] = []
+_grids: "OrderedDict[tuple, _Entry]" = OrderedDict()
 _lock = threading.Lock()
 
 
-def _grid_key(p_ref: torch.Tensor, radius: float) -> tuple:
-    # _version changes with every in-place write, so a cloud modified after the forward does not
-    # match its old grid; data_ptr + shape + device tell clouds apart.
-    return (p_ref.data_ptr(), p_ref._version, tuple(p_ref.shape), str(p_ref.device), float(radius))
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # _version changes with every in-place write, so a tensor modified after the forward does not
+    # match; data_ptr + shape + device tell tensors apart.
+    return (t.data_ptr(), t._version, tuple(t.shape), t.device)
 
 
-#: Spare grid objects kept per (device, cell dimensions) for the next build.
+def _grid_key(p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, sigma: float) -> tuple:
+    """Everything the cached data depends on: the grid on ``p_ref`` and ``radius``, the
+    normalisers also on ``p_query`` and ``sigma``."""
+    return (_tensor_key(p_query), _tensor_key(p_ref), float(radius), float(sigma))
+
+
+#: Spare grid objects kept per (device, stream, cell dimensions) for the next build.
 SPARE_GRIDS = 2
 _spare: dict[tuple, list[Any]] = {}
+# Grids being dropped, each with a torch.cuda.Event recorded after its last kernel.
+_retired: list[tuple[Any, Any]] = []
 
 
-def _recycle(grid: Any) -> None:
-    """Keep a grid object no kernel uses any more, for the next forward to rebuild in place:
-    a rebuild reuses its buffers, where a new grid allocates and a dropped one frees them."""
-    spare = _spare.setdefault((str(grid.device), grid.cell_dims), [])
+def _retire(entry: _Entry) -> None:
+    """Hand back the grid of ``entry`` once its kernels are queued: no call reads it any more.
+
+    It joins the spare grids of the stream its kernels ran on, and the next forward on that
+    stream rebuilds it in place: the rebuild's kernels queue behind the kernels that read it,
+    so stream order alone makes the reuse safe, without an event or a wait, and no call
+    allocates or frees a grid in steady state. Only when the spares are full is a grid
+    dropped, and on CUDA not before an event recorded now has completed: Warp frees a grid's
+    memory with a stream-ordered free that does not wait for work on PyTorch's other streams.
+    """
+    grid, where = entry.grid, entry.where
+    spare = _spare.setdefault((where.device.alias, where.stream_key, grid.cell_dims), [])
     if len(spare) < SPARE_GRIDS:
         spare.append(grid)
-
-
-def _retire(grid: Any) -> None:
-    """Hand a grid back once the kernels already queued on the current stream have finished.
-
-    Warp frees a grid's CUDA memory with a stream-ordered free on the legacy default stream, which
-    does not wait for work on PyTorch's other streams, and a rebuild overwrites its buffers;
-    holding the grid until an event recorded here completes keeps its memory valid for every
-    kernel launched with it, without waiting.
-    """
-    if grid.device.is_cuda:
+    elif where.stream is not None:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(torch.device("cuda", grid.device.ordinal)))
-        _retired.append(_Retired(grid, event))
-    else:
-        _recycle(grid)  # CPU kernels have finished when wp.launch returns
+        event.record(torch.cuda.current_stream(torch.device("cuda", where.device.ordinal)))
+        _retired.append((grid, event))
+    # else a CPU grid: its kernels have finished when their launch returns, drop it now
 
 
 def _collect() -> None:
-    """Recycle the retired grids whose kernels have completed (a non-blocking event query)."""
-    done = [r for r in _retired if r.event.query()]
-    _retired[:] = [r for r in _retired if not r.event.query()]
-    for r in done:
-        _recycle(r.grid)
+    """Drop the retired grids whose kernels have completed (a non-blocking event query)."""
+    if _retired:
+        _retired[:] = [(grid, event) for grid, event in _retired if not event.query()]
 
 
-def _build_grid(p_ref: torch.Tensor, radius: float) -> Any:
-    """A fresh hash grid over ``p_ref``, cells of width ``radius``, built on the current stream."""
+def _build_grid(p_ref: torch.Tensor, radius: float, where: _Where) -> Any:
+    """A fresh hash grid over ``p_ref``, cells of width ``radius``, built on ``where``'s stream."""
     wp = _warp()
-    device = wp.device_from_torch(p_ref.device)
+    device = where.device
     if device.is_cuda:
         dims = (CUDA_GRID_DIM,) * 3
     else:
@@ -394,32 +536,38 @@ def _build_grid(p_ref: torch.Tensor, radius: float) -> Any:
             for e in extent
         )
     with _lock:
-        spare = _spare.get((str(device), tuple(dims)))
+        _collect()
+        spare = _spare.get((device.alias, where.stream_key, dims))
         grid = spare.pop() if spare else None
     if grid is None:
         grid = wp.HashGrid(*dims, device=device)
-        grid.cell_dims = tuple(dims)  # the key under which _recycle keeps it
-    grid.build(wp.from_torch(p_ref, dtype=wp.vec3, requires_grad=False), radius)
+        grid.cell_dims = dims  # part of the key under which _retire keeps it
+    points = wp.from_torch(p_ref, dtype=wp.vec3, requires_grad=False)
+    if where.stream is None:
+        grid.build(points, radius)
+    else:
+        # The build's sort and its stream-ordered allocations go to the device's current stream.
+        with wp.ScopedStream(where.stream, sync_enter=False):
+            grid.build(points, radius)
     return grid
 
 
-def _put_grid(key: tuple, entry: tuple) -> None:
-    """Leave ``(grid, (shift, inv_norm))`` of a forward in the cache for its backward."""
+def _put_grid(key: tuple, entry: _Entry) -> None:
+    """Leave what a forward computed in the cache for its backward."""
     with _lock:
         old = _grids.pop(key, None)
         if old is not None:
-            _retire(old[0])
+            _retire(old)
         _grids[key] = entry
         while len(_grids) > GRID_CACHE_SIZE:
-            _retire(_grids.popitem(last=False)[1][0])
+            _retire(_grids.popitem(last=False)[1])
 
 
-def _take_grid(p_ref: torch.Tensor, radius: float) -> tuple:
-    """``(grid, (shift, inv_norm))`` the forward left over ``p_ref``, removed from the cache,
-    or ``(None, None)`` when it is not there (evicted, or the cloud changed in place)."""
+def _take_grid(key: tuple) -> _Entry | None:
+    """The entry a forward left under ``key``, removed from the cache, or ``None`` when it is not
+    there (evicted, or an input changed in place)."""
     with _lock:
-        entry = _grids.pop(_grid_key(p_ref, radius), None)
-    return entry if entry is not None else (None, None)
+        return _grids.pop(key, None)
 
 
 def grid_cache_size() -> int:
@@ -432,7 +580,7 @@ def clear_grid_cache() -> None:
     """Free every cached hash grid (for example after inference, which leaves them behind)."""
     with _lock:
         while _grids:
-            _retire(_grids.popitem()[1][0])
+            _retire(_grids.popitem()[1])
         _collect()
 
 
@@ -453,8 +601,9 @@ def _check_inputs(
 ) -> tuple[float, float]:
     """The checks shared by every operator here: metadata always, finite coordinates too when
     ``values`` (the real forward, unless :func:`~.checks.value_checks` turned them off)."""
-    check_cloud("p_query", _for_checks(p_query, values))
-    check_cloud("p_ref", _for_checks(p_ref, values))
+    check_values = None if values else False
+    check_cloud("p_query", p_query, values=check_values)
+    check_cloud("p_ref", p_ref, values=check_values)
     check_same_device(p_query=p_query, p_ref=p_ref)
     check_feats(feats, p_ref.shape[0])
     check_same_device(p_ref=p_ref, feats=feats)
@@ -474,54 +623,31 @@ def _check_grad_out(grad_out: torch.Tensor, p_query: torch.Tensor, feats: torch.
     check_same_device(p_query=p_query, grad_out=grad_out)
 
 
-def _for_checks(t: object, values: bool) -> object:
-    """``t`` itself, or without ``values`` a meta tensor of its shape, strides and dtype, on which
-    :func:`~.checks.check_cloud` runs only the metadata checks (fake tensors pass unchanged:
-    their values are never read)."""
-    if values or not isinstance(t, torch.Tensor) or is_fake(t):
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def _normalisers(grid: Any, points: tuple, m: int, radius: float, sigma: float, device: Any):
-    """Kernel 1 over the ``points`` descriptors ``(p_query, p_ref)``. Returns ``shift`` and
-    ``inv_norm`` tensors and their descriptors: each query's nearest in-radius distance ``d0``
-    and ``1 / sum_j exp((d0 - d_qj) / sigma)``, both ``(M,)`` float32."""
-    wp, k = _warp(), _kernels()
-    shift = torch.empty(m, dtype=torch.float32, device=wp.device_to_torch(device))
+def _new_entry(p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, where: _Where) -> _Entry:
+    """A fresh grid over ``p_ref``, the descriptors of both clouds, and room for the per-query
+    normalisers ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) / sigma)``)."""
+    wp = _warp()
+    grid = _build_grid(p_ref, radius, where)
+    points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
+    shift = torch.empty(p_query.shape[0], dtype=torch.float32, device=p_query.device)
     inv_norm = torch.empty_like(shift)
-    descs = (_desc(shift), _desc(inv_norm))
-    wp.launch(
-        k.normaliser, dim=m, inputs=[grid.id, *points, radius, sigma], outputs=descs, device=device
-    )
-    return (shift, inv_norm), descs
+    return _Entry(grid, (shift, inv_norm), (_desc(shift), _desc(inv_norm)), points, where)
 
 
 def _forward(
     p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
 ) -> torch.Tensor:
-    """The real forward of both forward operators: build the grid, launch both kernels, leave the
-    grid in the cache for the backward."""
+    """The real forward of both forward operators: build the grid, run the one-walk kernel,
+    leave the grid and the normalisers in the cache for the backward."""
     radius, sigma = _check_inputs(p_query, p_ref, feats, radius, sigma, values=values_checked())
-    wp, k = _warp(), _kernels()
+    where = _where(p_ref.device)
     m, f = p_query.shape[0], feats.shape[1]
-    with _on_torch_stream(p_ref.device) as device:
-        with _lock:
-            _collect()
-        grid = _build_grid(p_ref, radius)
-        # One descriptor per tensor and call, shared by both launches.
-        points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
-        norm_tensors, norms = _normalisers(grid, points, m, radius, sigma, device)
-        out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
-        wp.launch(
-            k.aggregate,
-            dim=(m, _chunks(f)),
-            inputs=[grid.id, *points, _desc(feats), *norms, radius, sigma],
-            outputs=[_desc(out)],
-            device=device,
-        )
-        # The backward needs the same grid and normalisers: leave them in the cache.
-        _put_grid(_grid_key(p_ref, radius), (grid, norm_tensors))
+    entry = _new_entry(p_query, p_ref, radius, where)
+    out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
+    args = [entry.grid.id, *entry.points, _desc(feats), radius, sigma, _desc(out)]
+    _launch(_kernels().aggregate_online, (m, _chunks(f)), [*args, *entry.norm_descs], where)
+    # The backward needs the same grid and normalisers: leave them in the cache.
+    _put_grid(_grid_key(p_query, p_ref, radius, sigma), entry)
     return out
 
 
@@ -588,45 +714,38 @@ def _backward_impl(
     # Metadata only: the forward checked the values.
     radius, sigma = _check_inputs(p_query, p_ref, feats, radius, sigma, values=False)
     _check_grad_out(grad_out, p_query, feats)
-    wp, k = _warp(), _kernels()
+    k = _kernels()
     m, f = grad_out.shape
-    with _on_torch_stream(p_ref.device) as device:
-        points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
-        grid, norms = _take_grid(p_ref, radius)
-        if norms is None:  # the forward's grid is gone: rebuild it and the normalisers
-            grid = _build_grid(p_ref, radius)
-            _, norms = _normalisers(grid, points, m, radius, sigma, device)
-        else:
-            norms = tuple(_desc(t) for t in norms)
-        # Fresh zeros every call: both kernels accumulate into grad_feats.
-        grad_feats = torch.zeros_like(feats)
-        common = [grid.id, *points]
-        if kind == "adjoint":
-            # The adjoint of `aggregate`: the forward arguments again, then one adjoint per
-            # argument. Only feats and out have one; None is a null array (no gradient wanted)
-            # and 0.0 the adjoint of a float argument. Warp's backward kernel never stores to
-            # the forward output, so `out` may be null too.
-            wp.launch(
-                k.aggregate,
-                dim=(m, _chunks(f)),
-                inputs=[*common, _desc(feats), *norms, radius, sigma],
-                outputs=[None],
-                adj_inputs=[0, None, None, _desc(grad_feats), None, None, 0.0, 0.0],
-                adj_outputs=[_desc(grad_out)],
-                adjoint=True,
-                device=device,
-            )
-        else:
-            wp.launch(
-                k.scatter,
-                dim=(m, _chunks(f)),
-                inputs=[*common, *norms, radius, sigma, _desc(grad_out)],
-                outputs=[_desc(grad_feats)],
-                device=device,
-            )
-        with _lock:
-            _retire(grid)
-            _collect()
+    where = _where(p_ref.device)
+    entry = _take_grid(_grid_key(p_query, p_ref, radius, sigma))
+    if entry is None:  # the forward's grid is gone: rebuild it and the normalisers
+        entry = _new_entry(p_query, p_ref, radius, where)
+        args = [entry.grid.id, *entry.points, radius, sigma, *entry.norm_descs]
+        _launch(k.normaliser, (m,), args, where)
+    # Fresh zeros every call: both kernels accumulate into grad_feats.
+    grad_feats = torch.zeros_like(feats)
+    common = [entry.grid.id, *entry.points]
+    if kind == "adjoint":
+        # The adjoint of `aggregate`: the forward arguments again, then one adjoint per
+        # argument. Only feats and out have one; None is a null array (no gradient wanted) and
+        # 0.0 the adjoint of a float argument. Warp's backward kernel never stores to the
+        # forward output, so `out` is a null array too.
+        _launch(
+            k.aggregate,
+            (m, _chunks(f)),
+            [*common, _desc(feats), *entry.norm_descs, radius, sigma, None],
+            where,
+            adj_inputs=[0, None, None, _desc(grad_feats), None, None, 0.0, 0.0, _desc(grad_out)],
+        )
+    else:
+        _launch(
+            k.scatter,
+            (m, _chunks(f)),
+            [*common, *entry.norm_descs, radius, sigma, _desc(grad_out), _desc(grad_feats)],
+            where,
+        )
+    with _lock:
+        _retire(entry)
     return grad_feats
 
 
