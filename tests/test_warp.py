@@ -606,3 +606,18 @@ def test_feature_counts_that_do_not_fill_a_chunk(n_feats, kind):
     expected, expected_grad = reference_grad(p_query, p_ref, feats, grad_out, torch.float64)
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(f.grad.double(), expected_grad, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["from_torch", "recorded launch"])
+def test_saxpy_methods_follow_new_tensors_and_sizes(device, method):
+    # A recorded launch must take the new tensors and size of every call, not replay the first.
+    from extkernels import warp_interop as wi
+
+    for n in (1024, 37, 1024):
+        x = torch.randn(n, device=device)
+        y = torch.ones(n, device=device)
+        wi.launch_saxpy(x, y, 2.0, method)
+        torch.testing.assert_close(y, 2.0 * x + 1.0)
+    with pytest.raises(ValueError, match="method: expected one of"):
+        wi.launch_saxpy(x, y, 2.0, "by hand")
