@@ -379,3 +379,31 @@ def test_variant_without_backward_thread_is_timed_with_autograd_multithreading_o
     V.run(V.get("radius/warp"), small_problem)
     assert seen == [False, True]
     assert torch._C._is_multithreading_enabled()  # restored afterwards
+
+
+def test_run_all_fresh_runs_every_variant_in_its_own_process(monkeypatch):
+    in_process, own_process = [], []
+
+    def fake_run(variant, prob):
+        in_process.append(variant.name)
+        return {
+            "variant": variant.name,
+            "workload": variant.workload,
+            "forward_ms": 1.0,
+            "train_ms": 1.0,
+        }
+
+    def fake_isolated(name):
+        own_process.append(name)
+        return [
+            {"variant": name, "workload": name.split("/")[0], "forward_ms": 2.0, "train_ms": 2.0}
+        ]
+
+    monkeypatch.setattr(V, "run", fake_run)
+    monkeypatch.setattr(benchmark, "_run_isolated", fake_isolated)
+    names = ["radius/torch", "radius/warp"]
+    df = benchmark.run_all(names, fresh=True, verbose=False)
+    assert own_process == names and in_process == []
+    assert df["forward_ms"].to_dict() == {"radius/torch": 2.0, "radius/warp": 2.0}
+    benchmark.run_all(names, verbose=False)
+    assert in_process == names

@@ -37,8 +37,19 @@ def _run_isolated(name: str) -> list[dict]:
             return json.load(f)
 
 
-def run_all(names: list[str] | None = None, *, isolate: bool = True) -> pd.DataFrame:
+def run_all(
+    names: list[str] | None = None,
+    *,
+    isolate: bool = True,
+    fresh: bool = False,
+    verbose: bool = True,
+) -> pd.DataFrame:
     """Time the named variants (default: all that can run here) and return the table.
+
+    Variants marked ``isolated`` run in a Python process of their own (unless ``isolate`` is
+    false); with ``fresh``, every variant does. The chapters time with ``fresh=True``: a
+    notebook's process carries everything that ran before, and host-bound variants (whose
+    pace the host's Python sets) would pay for it.
 
     Returns:
         DataFrame indexed by variant with ``forward_ms``, ``train_ms``, ``forward_speedup``,
@@ -52,8 +63,10 @@ def run_all(names: list[str] | None = None, *, isolate: bool = True) -> pd.DataF
         if not v.available():
             print(f"skip {v.name}: backend {v.backend!r} cannot run on this machine", flush=True)
             continue
-        print(f"run  {v.name}", flush=True)
-        rows += _run_isolated(v.name) if (v.isolated and isolate) else [V.run(v, prob)]
+        if verbose:
+            print(f"run  {v.name}", flush=True)
+        own_process = fresh or (v.isolated and isolate)
+        rows += _run_isolated(v.name) if own_process else [V.run(v, prob)]
     if not rows:
         raise SystemExit("no chosen variant can run on this machine (see --list)")
     # Speedups within each workload, over its eager brute force.
