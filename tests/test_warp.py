@@ -56,6 +56,12 @@ def reference_grad(p_query, p_ref, feats, grad_out, dtype):
     return out.detach(), g
 
 
+def assert_float32_reference_grad(grad, p_query, p_ref, feats, grad_out):
+    """``grad`` is the gradient w.r.t. ``feats`` that the torch reference gives in float32."""
+    _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
+    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_grid_cache():
     wb.clear_grid_cache()
@@ -233,8 +239,7 @@ def test_backward_rebuilds_a_missing_grid(device):
     out = warp_op(p_query, p_ref, f)
     wb.clear_grid_cache()
     (grad,) = torch.autograd.grad(out, f, grad_out)
-    _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
-    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+    assert_float32_reference_grad(grad, p_query, p_ref, feats, grad_out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -257,8 +262,7 @@ def test_a_cloud_changed_in_place_does_not_reuse_its_old_grid(device):
         warp_op(p_query, cloud, feats)
     cloud.mul_(2.0)
     grad = torch.ops.warp.radius_aggregate_backward(grad_out, p_query, cloud, feats, RADIUS, SIGMA)
-    _, expected = reference_grad(p_query, cloud, feats, grad_out, torch.float32)
-    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+    assert_float32_reference_grad(grad, p_query, cloud, feats, grad_out)
     assert wb.grid_cache_size() == 1  # the stale grid was not taken (the LRU evicts it later)
 
 
@@ -276,8 +280,7 @@ def test_backward_of_an_earlier_forward_over_the_same_cloud(device, second):
     else:
         warp_op(p_query, p_ref, f, sigma=2 * SIGMA)
     (grad,) = torch.autograd.grad(out, f, grad_out)
-    _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
-    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
+    assert_float32_reference_grad(grad, p_query, p_ref, feats, grad_out)
 
 
 @pytest.mark.parametrize("device", DEVICES)

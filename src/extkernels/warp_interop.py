@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .ops.warp_backend import _launch, _where
+
 __all__ = [
     "METHODS",
     "launch_saxpy",
@@ -90,36 +92,15 @@ def launch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float, method: str) -> Non
     elif method == "tensor directly":
         args = [x, y]
     elif method == "recorded launch":
-        _relaunch_saxpy(x, y, a)
+        # What the book's operators do (see warp_backend._launch): record the launch on the
+        # first call, then overwrite its parameters with the new descriptors and replay it.
+        args = [wp.from_torch(x, return_ctype=True), wp.from_torch(y, return_ctype=True), a]
+        _launch(saxpy, (x.shape[0],), args, _where(x.device))
         return
     else:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     with _stream(x):
         wp.launch(saxpy, dim=x.shape[0], inputs=[*args, a], device=wp.device_from_torch(x.device))
-
-
-_commands: dict[str, Any] = {}
-
-
-def _relaunch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float) -> None:
-    """``launch_saxpy(..., "recorded launch")``: ``wp.launch`` converts and checks every argument
-    on every call; a :class:`warp.Launch` command recorded once keeps them packed, and a replay
-    only overwrites the ones that change (descriptors, without conversion) and launches."""
-    wp = _wp()
-    saxpy, _, _ = _kernels()
-    device = wp.device_from_torch(x.device)
-    args = [wp.from_torch(x, return_ctype=True), wp.from_torch(y, return_ctype=True), a]
-    cmd = _commands.get(device.alias)
-    if cmd is None:
-        cmd = wp.launch(saxpy, dim=x.shape[0], inputs=args, device=device, record_cmd=True)
-        _commands[device.alias] = cmd
-    else:
-        if cmd.bounds.shape[0] != x.shape[0]:
-            cmd.set_dim(x.shape[0])
-        for i, value in enumerate(args):
-            cmd.set_param_at_index_from_ctype(i, value)
-    with _stream(x):
-        cmd.launch()  # on the device's current stream, PyTorch's inside _stream
 
 
 def _squares(a: torch.Tensor, b: torch.Tensor, convert: Callable) -> torch.Tensor:

@@ -105,7 +105,6 @@ from .checks import (
     check_feats,
     check_positive,
     check_same_device,
-    values_checked,
 )
 from .registry import register
 
@@ -597,13 +596,12 @@ def _check_inputs(
     radius: float,
     sigma: float,
     *,
-    values: bool,
+    values: bool | None,
 ) -> tuple[float, float]:
-    """The checks shared by every operator here: metadata always, finite coordinates too when
-    ``values`` (the real forward, unless :func:`~.checks.value_checks` turned them off)."""
-    check_values = None if values else False
-    check_cloud("p_query", p_query, values=check_values)
-    check_cloud("p_ref", p_ref, values=check_values)
+    """The checks shared by every operator here: metadata always; finite coordinates too with
+    ``values=None`` (the real forward), where :func:`~.checks.values_checked` allows it."""
+    check_cloud("p_query", p_query, values=values)
+    check_cloud("p_ref", p_ref, values=values)
     check_same_device(p_query=p_query, p_ref=p_ref)
     check_feats(feats, p_ref.shape[0])
     check_same_device(p_ref=p_ref, feats=feats)
@@ -639,7 +637,7 @@ def _forward(
 ) -> torch.Tensor:
     """The real forward of both forward operators: build the grid, run the one-walk kernel,
     leave the grid and the normalisers in the cache for the backward."""
-    radius, sigma = _check_inputs(p_query, p_ref, feats, radius, sigma, values=values_checked())
+    radius, sigma = _check_inputs(p_query, p_ref, feats, radius, sigma, values=None)
     where = _where(p_ref.device)
     m, f = p_query.shape[0], feats.shape[1]
     entry = _new_entry(p_query, p_ref, radius, where)
