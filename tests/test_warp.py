@@ -324,6 +324,38 @@ def test_steady_state_rebuilds_spare_grids_instead_of_allocating(device, monkeyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_cached_descriptors_equal_fresh_ones(device):
+    # A cached descriptor stands for address, shape, strides and dtype, and nothing else.
+    wp = wb.init()
+    p_query, p_ref, feats = problem(device)
+
+    def fields(d):
+        return d.data, d.grad, d.ndim, tuple(d.shape[: d.ndim]), tuple(d.strides[: d.ndim])
+
+    for t, dtype in ((p_ref, wp.vec3), (feats, None), (feats[:7], None), (p_ref[1:], wp.vec3)):
+        cached = wb._desc(t, dtype)
+        assert wb._desc(t, dtype) is cached
+        fresh = wp.from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
+        assert fields(cached) == fields(fresh)
+    # Same address, other shape: another descriptor.
+    assert wb._desc(feats[:7]) is not wb._desc(feats)
+    points = wb._points_array(p_ref, wb._where(p_ref.device).device)
+    assert (points.ptr, points.shape) == (p_ref.data_ptr(), (p_ref.shape[0],))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_recorded_launch_follows_changed_arguments(device):
+    # A replayed launch writes only the arguments that changed: new tensors at new addresses,
+    # a new sigma, a tensor at an address seen before. Each call must match the reference.
+    p_query, p_ref, feats = problem(device)
+    cases = [(feats, SIGMA), (feats * 2, SIGMA), (feats, 0.05), (feats + 1, 0.05), (feats, SIGMA)]
+    for f, sigma in cases:
+        got = warp_op(p_query, p_ref, f, sigma=sigma)
+        want = torch_backend.radius_aggregate(p_query, p_ref, f, RADIUS, sigma)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_operators_run_from_several_threads(device):
     # Recorded launch commands are per thread: concurrent callers must not overwrite each
     # other's parameters.

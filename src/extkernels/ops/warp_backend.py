@@ -402,9 +402,45 @@ def _chunks(n_features: int) -> int:
     return -(-n_features // CHUNK)
 
 
+#: Most array descriptors (and Warp arrays) kept for reuse; the cache is emptied when full.
+DESC_CACHE_SIZE = 64
+_descs: dict[tuple, Any] = {}
+
+
 def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
-    """A Warp array descriptor over ``t``'s memory (no copy, no gradient buffer)."""
-    return _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
+    """A Warp array descriptor over ``t``'s memory (no copy, no gradient buffer).
+
+    A descriptor is a value: the address, shape and strides of the memory, nothing that
+    refers to the tensor. The one made for an address, shape, strides and dtype therefore
+    serves every later tensor with the same ones, and in a training loop PyTorch's caching
+    allocator hands the same addresses back every iteration: the descriptors are cached by
+    those values, and a steady loop converts nothing.
+    """
+    key = (t.data_ptr(), t.shape, t.stride(), dtype)
+    desc = _descs.get(key)
+    if desc is None:
+        if len(_descs) >= DESC_CACHE_SIZE:
+            _descs.clear()
+        desc = _descs[key] = _warp().from_torch(
+            t, dtype=dtype, requires_grad=False, return_ctype=True
+        )
+    return desc
+
+
+def _points_array(p: torch.Tensor, device: Any) -> Any:
+    """A ``wp.array`` of ``vec3`` over ``p``'s memory, for :meth:`warp.HashGrid.build` (which
+    takes arrays, not descriptors); cached by address and size like :func:`_desc`. It is made
+    from the pointer, so it does not keep ``p`` alive, as a descriptor does not."""
+    key = ("points", p.data_ptr(), p.shape[0], device.alias)
+    points = _descs.get(key)
+    if points is None:
+        wp = _warp()
+        if len(_descs) >= DESC_CACHE_SIZE:
+            _descs.clear()
+        points = _descs[key] = wp.array(
+            ptr=p.data_ptr(), dtype=wp.vec3, shape=(p.shape[0],), device=device
+        )
+    return points
 
 
 # Recorded launch commands, per thread (the forward runs on the caller's thread, the backward on
@@ -438,18 +474,22 @@ def _launch(
             device=where.device,
             record_cmd=True,
         )
-        commands[key] = [cmd, dim]
+        commands[key] = [cmd, dim, list(inputs), list(adj_inputs or ())]
     else:
-        cmd, last_dim = entry
+        cmd, last_dim, last_inputs, last_adj = entry
         if dim != last_dim:
             cmd.set_dim(dim)
             entry[1] = dim
+        # Only what changed since the last launch is written: a cached descriptor (see
+        # _desc) is the same object again, a scalar compares by value.
         for i, value in enumerate(inputs):
-            if value is not None:
+            if value is not None and value is not last_inputs[i] and value != last_inputs[i]:
                 cmd.set_param_at_index_from_ctype(i, value)
+                last_inputs[i] = value
         for i, value in enumerate(adj_inputs or ()):
-            if value is not None:
+            if value is not None and value is not last_adj[i] and value != last_adj[i]:
                 cmd.set_param_at_index_from_ctype(i, value, adjoint=True)
+                last_adj[i] = value
     cmd.launch(where.stream)
 
 
@@ -541,7 +581,7 @@ def _build_grid(p_ref: torch.Tensor, radius: float, where: _Where) -> Any:
     if grid is None:
         grid = wp.HashGrid(*dims, device=device)
         grid.cell_dims = dims  # part of the key under which _retire keeps it
-    points = wp.from_torch(p_ref, dtype=wp.vec3, requires_grad=False)
+    points = _points_array(p_ref, device)
     if where.stream is None:
         grid.build(points, radius)
     else:
@@ -627,8 +667,8 @@ def _new_entry(p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, where:
     wp = _warp()
     grid = _build_grid(p_ref, radius, where)
     points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
-    shift = torch.empty(p_query.shape[0], dtype=torch.float32, device=p_query.device)
-    inv_norm = torch.empty_like(shift)
+    norms = torch.empty((2, p_query.shape[0]), dtype=torch.float32, device=p_query.device)
+    shift, inv_norm = norms  # one allocation, two contiguous rows
     return _Entry(grid, (shift, inv_norm), (_desc(shift), _desc(inv_norm)), points, where)
 
 
