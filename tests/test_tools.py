@@ -175,22 +175,6 @@ def test_every_variant_has_an_eager_torch_baseline():
     assert all(V.baseline_of(v) in names for v in V.VARIANTS)
 
 
-def test_build_passes_the_compile_mode(monkeypatch, small_problem):
-    calls = []
-
-    def fake_compile(model, **kwargs):
-        calls.append(kwargs)
-        return model
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    V.get("radius/torch+compile").build(small_problem)
-    V.get("radius/warp+compile+cudagraphs").build(small_problem)
-    assert calls == [
-        {"fullgraph": True, "mode": None},
-        {"fullgraph": True, "mode": "reduce-overhead"},
-    ]
-
-
 @pytest.mark.parametrize("name", ["knn/torch", "radius/torch"])
 def test_run_eager_variant_at_a_tiny_problem(name, small_problem):
     row = V.run(V.get(name), small_problem)

@@ -33,9 +33,6 @@ class Variant:
         backend: backend of the aggregation (see :func:`extkernels.backends`).
         compile: wrap the model in ``torch.compile``.
         fullgraph: compile with ``fullgraph=True`` (fail on any graph break).
-        compile_mode: ``torch.compile``'s ``mode``; ``"reduce-overhead"`` replays the compiled
-            graphs as CUDA graphs (inductor splits them around operators tagged
-            ``cudagraph_unsafe``, which run eagerly in between).
         chapter: the chapter that introduces it.
         options: extra keyword arguments of the aggregation's backend.
         isolated: must run in a process of its own (it changes process-wide state, such as
@@ -53,7 +50,6 @@ class Variant:
     backend: str
     compile: bool = False
     fullgraph: bool = False
-    compile_mode: str | None = None
     chapter: int = 1
     options: dict = field(default_factory=dict)
     isolated: bool = False
@@ -84,11 +80,7 @@ class Variant:
             agg = RadiusAggregation(prob.radius, prob.sigma, self.backend, **self.options)
         torch.manual_seed(prob.seed)
         model = Projector(agg, prob.hidden).to(prob.device)
-        run_model = (
-            torch.compile(model, fullgraph=self.fullgraph, mode=self.compile_mode)
-            if self.compile
-            else model
-        )
+        run_model = torch.compile(model, fullgraph=self.fullgraph) if self.compile else model
         return model, run_model, (p_query, p_ref, target)
 
 
@@ -135,25 +127,6 @@ VARIANTS: list[Variant] = [
         "warp",
         compile=True,
         fullgraph=True,
-        chapter=7,
-        backward_thread=False,
-    ),
-    Variant(
-        "radius/warp+compile+cudagraphs",
-        "radius",
-        "warp",
-        compile=True,
-        fullgraph=True,
-        compile_mode="reduce-overhead",
-        chapter=7,
-    ),
-    Variant(
-        "radius/warp+compile+cudagraphs+1thread",
-        "radius",
-        "warp",
-        compile=True,
-        fullgraph=True,
-        compile_mode="reduce-overhead",
         chapter=7,
         backward_thread=False,
     ),

@@ -70,9 +70,9 @@ memory cannot be reused under a kernel still reading it.
 
 **Little work per call.** A training step is short enough here that the host's Python, not
 the GPU, sets its pace, so the operators keep their per-call work small: one walk in the
-forward, descriptors instead of ``wp.array`` objects, launches replayed from recorded
-:class:`warp.Launch` commands (see :func:`_launch`), grids rebuilt in place, and no event
-unless a grid is dropped. Chapter 7 measures each of these.
+forward, descriptors instead of ``wp.array`` objects (kept by address, see :func:`_desc`),
+launches replayed from recorded :class:`warp.Launch` commands (see :func:`_launch`), grids
+rebuilt in place, and no event unless a grid is dropped. Chapter 7 measures each of these.
 
 The one exception to "no synchronisation" is the check that the coordinates are
 finite, which needs their values on the host: it runs by default, as in every other backend,
