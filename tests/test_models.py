@@ -227,3 +227,14 @@ def test_problem_with_sizes_returns_a_changed_copy():
     assert (changed.n_ref, changed.grid_side, changed.n_query) == (123, 3, 27)
     assert prob.n_ref != 123
     assert changed.k == prob.k and changed.device == prob.device
+
+
+def test_fixed_gather_takes_one_reference_row_per_query_and_passes_gradients():
+    feats = torch.randn(10, 4, requires_grad=True)
+    agg = extkernels.FixedGather(n_query=7, n_ref=10, seed=3)
+    out = agg(torch.zeros(7, 3), torch.zeros(10, 3), feats)
+    assert torch.equal(out, feats.detach()[agg.index])
+    assert torch.equal(agg.index, extkernels.FixedGather(7, 10, seed=3).index)
+    out.sum().backward()
+    counts = torch.bincount(agg.index, minlength=10).float()
+    assert torch.equal(feats.grad, counts[:, None].expand(10, 4))

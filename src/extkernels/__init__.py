@@ -9,7 +9,7 @@ example, as the benchmark command runs them).
 
 from . import memory, reference
 from .data import features, query_grid, reference_cloud, targets
-from .models import MLP, KnnAggregation, Projector, RadiusAggregation
+from .models import MLP, FixedGather, KnnAggregation, Projector, RadiusAggregation
 from .ops import backends, knn, knn_aggregate, radius_aggregate
 from .problem import Problem, problem
 
@@ -17,6 +17,7 @@ __all__ = [
     "memory",
     "reference",
     "MLP",
+    "FixedGather",
     "KnnAggregation",
     "Problem",
     "Projector",

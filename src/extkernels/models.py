@@ -13,7 +13,7 @@ from torch import nn
 
 from .ops import knn_aggregate, radius_aggregate
 
-__all__ = ["MLP", "KnnAggregation", "RadiusAggregation", "Projector"]
+__all__ = ["MLP", "KnnAggregation", "RadiusAggregation", "FixedGather", "Projector"]
 
 
 class MLP(nn.Sequential):
@@ -63,6 +63,23 @@ class RadiusAggregation(nn.Module):
 
     def extra_repr(self) -> str:
         return f"radius={self.radius}, sigma={self.sigma}, backend={self.backend!r}"
+
+
+class FixedGather(nn.Module):
+    """Not an aggregation: each query takes the features of one reference point picked at
+    random once. No neighbour search, no custom operator, the same shapes in and out; a
+    projector built on it times what everything *but* the aggregation costs (the two MLPs, the
+    loss, autograd and Adam), the floor under every real aggregation (chapter 7)."""
+
+    def __init__(self, n_query: int, n_ref: int, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("index", torch.randint(0, n_ref, (n_query,), generator=generator))
+
+    def forward(
+        self, p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor
+    ) -> torch.Tensor:
+        return feats.index_select(0, self.index)
 
 
 class Projector(nn.Module):
