@@ -407,6 +407,16 @@ DESC_CACHE_SIZE = 64
 _descs: dict[tuple, Any] = {}
 
 
+def _kept(key: tuple, make) -> Any:
+    """The view kept under ``key``, or a new one from ``make()``, kept for next time."""
+    view = _descs.get(key)
+    if view is None:
+        if len(_descs) >= DESC_CACHE_SIZE:
+            _descs.clear()
+        view = _descs[key] = make()
+    return view
+
+
 def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
     """A Warp array descriptor over ``t``'s memory (no copy, no gradient buffer).
 
@@ -416,31 +426,21 @@ def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
     allocator hands the same addresses back every iteration: the descriptors are cached by
     those values, and a steady loop converts nothing.
     """
-    key = (t.data_ptr(), t.shape, t.stride(), dtype)
-    desc = _descs.get(key)
-    if desc is None:
-        if len(_descs) >= DESC_CACHE_SIZE:
-            _descs.clear()
-        desc = _descs[key] = _warp().from_torch(
-            t, dtype=dtype, requires_grad=False, return_ctype=True
-        )
-    return desc
+    return _kept(
+        (t.data_ptr(), t.shape, t.stride(), dtype),
+        lambda: _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True),
+    )
 
 
 def _points_array(p: torch.Tensor, device: Any) -> Any:
     """A ``wp.array`` of ``vec3`` over ``p``'s memory, for :meth:`warp.HashGrid.build` (which
     takes arrays, not descriptors); cached by address and size like :func:`_desc`. It is made
     from the pointer, so it does not keep ``p`` alive, as a descriptor does not."""
-    key = ("points", p.data_ptr(), p.shape[0], device.alias)
-    points = _descs.get(key)
-    if points is None:
-        wp = _warp()
-        if len(_descs) >= DESC_CACHE_SIZE:
-            _descs.clear()
-        points = _descs[key] = wp.array(
-            ptr=p.data_ptr(), dtype=wp.vec3, shape=(p.shape[0],), device=device
-        )
-    return points
+    wp = _warp()
+    return _kept(
+        ("points", p.data_ptr(), p.shape[0], device.alias),
+        lambda: wp.array(ptr=p.data_ptr(), dtype=wp.vec3, shape=(p.shape[0],), device=device),
+    )
 
 
 # Recorded launch commands, per thread (the forward runs on the caller's thread, the backward on
