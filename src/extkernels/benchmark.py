@@ -61,7 +61,7 @@ def run_all(
     rows = []
     for v in chosen:
         if not v.available():
-            print(f"skip {v.name}: backend {v.backend!r} cannot run on this machine", flush=True)
+            print(f"skip {v.name}: {v.unavailable_reason()}", flush=True)
             continue
         if verbose:
             print(f"run  {v.name}", flush=True)

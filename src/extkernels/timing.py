@@ -61,10 +61,13 @@ def make_train_step(
     p_ref: torch.Tensor,
     target: torch.Tensor,
     lr: float = 1e-3,
+    capturable: bool = False,
 ) -> Callable[[], torch.Tensor]:
     """A closure doing one training step: zero_grad, forward, MSE, backward, Adam step.
 
-    ``model`` may be a compiled module; ``params`` are the parameters Adam updates.
+    ``model`` may be a compiled module; ``params`` are the parameters Adam updates. With
+    ``capturable``, Adam keeps its step count on the device, so that the step can be captured
+    in a CUDA graph (:mod:`extkernels.graphs`).
 
     Returns:
         ``step()`` returning the (detached) loss.
@@ -73,7 +76,7 @@ def make_train_step(
     # On a GPU, Adam's fused implementation (one kernel for all parameters) keeps the optimizer
     # step from dominating the small models of this book; the arithmetic is Adam's either way.
     fused = bool(params) and all(p.is_cuda for p in params)
-    optimizer = torch.optim.Adam(params, lr=lr, fused=fused or None)
+    optimizer = torch.optim.Adam(params, lr=lr, fused=fused or None, capturable=capturable)
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -126,6 +129,7 @@ def time_projector(
     n_warmup: int,
     n_iters: int,
     params=None,
+    graphs: bool = False,
 ) -> dict[str, float]:
     """Time a projector by the book's protocol.
 
@@ -133,21 +137,29 @@ def time_projector(
         model: the projector, eager or compiled.
         p_query: ``(M, 3)``; p_ref: ``(N, 3)``; target: ``(M, 1)``.
         params: the parameters to train (default: ``model.parameters()``).
+        graphs: time replays of the forward pass and of the training step, each captured in a
+            CUDA graph after the warm-up (:mod:`extkernels.graphs`); every replay recomputes
+            everything, neighbours included.
 
     Returns:
         ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training step.
     """
-    step = make_train_step(
-        model, params if params is not None else model.parameters(), p_query, p_ref, target
-    )
+    params = params if params is not None else model.parameters()
+    if graphs:
+        from .graphs import captured_forward, captured_train_step
 
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(p_query, p_ref)
+        forward = captured_forward(model, p_query, p_ref, warmup=n_warmup)
+        step = captured_train_step(model, params, p_query, p_ref, target, warmup=n_warmup)
+    else:
+        step = make_train_step(model, params, p_query, p_ref, target)
 
-    for _ in range(n_warmup):
-        forward()
-        step()
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                return model(p_query, p_ref)
+
+        for _ in range(n_warmup):
+            forward()
+            step()
     # The warm-up validated the inputs; the timed iterations measure the computation alone,
     # without the host synchronisations that checking values for NaN costs (chapter 7).
     with value_checks(False):

@@ -43,6 +43,8 @@ class Variant:
             ``torch.autograd.set_multithreading_enabled(False)``, so backward passes run on the
             calling thread: backward formulas written in Python (the Warp operators') then skip
             the hand-over to that thread.
+        graphs: time the forward pass and the training step each captured in one CUDA graph
+            and replayed (:mod:`extkernels.graphs`); needs a CUDA device.
     """
 
     name: str
@@ -55,14 +57,23 @@ class Variant:
     isolated: bool = False
     setup: Callable[[], None] | None = None
     backward_thread: bool = True
+    graphs: bool = False
 
     @property
     def op(self) -> str:
         return "knn_aggregate" if self.workload == "knn" else "radius_aggregate"
 
     def available(self) -> bool:
-        """True when its backend can run on this machine."""
-        return self.backend in backends(self.op)
+        """True when it can run on this machine."""
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """Why it cannot run on this machine, or ``None`` when it can."""
+        if self.backend not in backends(self.op):
+            return f"backend {self.backend!r} cannot run on this machine"
+        if self.graphs and not torch.cuda.is_available():
+            return "CUDA graphs need a CUDA GPU"
+        return None
 
     def build(self, prob: Problem):
         """The model (eager), the callable to time (compiled or not) and the data.
@@ -130,6 +141,7 @@ VARIANTS: list[Variant] = [
         chapter=7,
         backward_thread=False,
     ),
+    Variant("radius/warp+graphs", "radius", "warp", chapter=7, graphs=True),
 ]
 
 
@@ -173,6 +185,7 @@ def run(variant: Variant, prob: Problem) -> dict:
             n_warmup=prob.n_warmup,
             n_iters=prob.n_iters,
             params=model.parameters(),
+            graphs=variant.graphs,
         )
     row = Timing(
         variant.name,

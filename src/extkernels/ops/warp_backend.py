@@ -74,6 +74,19 @@ forward, descriptors instead of ``wp.array`` objects (kept by address, see :func
 launches replayed from recorded :class:`warp.Launch` commands (see :func:`_launch`), grids
 rebuilt in place, and no event unless a grid is dropped. Chapter 7 measures each of these.
 
+**CUDA graphs.** The operators can be captured in a CUDA graph (:mod:`extkernels.graphs`
+captures the whole forward pass or training step), with the grid built inside the graph at
+every replay. One trap needs a guard. Warp ends a CUDA build by copying the grid's descriptor
+(its array pointers, point count and cell width) from a host variable to the device, and a
+captured copy reads that host variable again at every replay; Warp keeps one such variable
+for all grids, holding the descriptor of whichever grid was built last. Replayed after any
+other grid's build, the graph would hand its kernels the other grid's arrays. So every CUDA
+grid keeps a device copy of its own descriptor (refreshed after an eager build that changed
+the point count or the cell width, the only fields a rebuild changes), and a captured call
+queries the grid through that copy, which no replay writes. A capture takes a grid that an
+eager warm-up built at the same sizes on the capturing stream, and the grid then belongs to
+the graph (:func:`~extkernels.ops.capture.keep_alive`): it never returns to the spare grids.
+
 The one exception to "no synchronisation" is the check that the coordinates are
 finite, which needs their values on the host: it runs by default, as in every other backend,
 and :func:`~extkernels.ops.checks.value_checks` turns it off where that synchronisation must go
@@ -100,6 +113,7 @@ from typing import Any
 
 import torch
 
+from . import capture
 from .checks import (
     check_cloud,
     check_feats,
@@ -129,6 +143,9 @@ GRID_CACHE_SIZE = 4
 CUDA_GRID_DIM = 128
 #: Upper bound of the cells per axis on the CPU, where the grid is sized to the cloud.
 CPU_GRID_DIM_MAX = 64
+#: Bytes of Warp's float32 grid descriptor (``wp::HashGrid_t<float>``, Warp's hashgrid.h), the
+#: device copy a captured call queries; :func:`_check_descriptor_layout` checks it.
+GRID_DESCRIPTOR_BYTES = 88
 #: The backward implementations: Warp's adjoint of the forward kernel, or the hand-written one.
 BACKWARDS = ("adjoint", "manual")
 # Smallest normal float32: the clamp of the torch reference's normaliser.
@@ -502,6 +519,7 @@ class _Entry:
     and their descriptors), the descriptors of the two clouds, and where its kernels ran."""
 
     grid: Any
+    grid_id: int  # what the kernels query: grid.id, or its descriptor copy inside a capture
     norms: tuple  # (shift, inv_norm) tensors, kept alive for their descriptors
     norm_descs: tuple
     points: tuple  # descriptors of (p_query, p_ref)
@@ -542,8 +560,11 @@ def _retire(entry: _Entry) -> None:
     memory with a stream-ordered free that does not wait for work on PyTorch's other streams.
     """
     grid, where = entry.grid, entry.where
+    if getattr(grid, "captured", False):
+        return  # the graph that captured it holds it
     spare = _spare.setdefault((where.device.alias, where.stream_key, grid.cell_dims), [])
-    if len(spare) < SPARE_GRIDS:
+    if len(spare) < SPARE_GRIDS or capture.capturing():
+        # (during a capture nothing may be freed or recorded outside the graph: keep it)
         spare.append(grid)
     elif where.stream is not None:
         event = torch.cuda.Event()
@@ -554,14 +575,18 @@ def _retire(entry: _Entry) -> None:
 
 def _collect() -> None:
     """Drop the retired grids whose kernels have completed (a non-blocking event query)."""
-    if _retired:
+    if _retired and not capture.capturing():  # no event query during a capture
         _retired[:] = [(grid, event) for grid, event in _retired if not event.query()]
 
 
-def _build_grid(p_ref: torch.Tensor, radius: float, where: _Where) -> Any:
-    """A fresh hash grid over ``p_ref``, cells of width ``radius``, built on ``where``'s stream."""
+def _build_grid(p_ref: torch.Tensor, radius: float, where: _Where) -> tuple[Any, int]:
+    """A fresh hash grid over ``p_ref``, cells of width ``radius``, built on ``where``'s stream.
+
+    Returns the grid and the id the kernels query it by (see :func:`_descriptor_copy`).
+    """
     wp = _warp()
     device = where.device
+    capturing = where.stream is not None and capture.capturing()
     if device.is_cuda:
         dims = (CUDA_GRID_DIM,) * 3
     else:
@@ -574,21 +599,96 @@ def _build_grid(p_ref: torch.Tensor, radius: float, where: _Where) -> Any:
             else CPU_GRID_DIM_MAX
             for e in extent
         )
+    key = (device.alias, where.stream_key, dims)
     with _lock:
         _collect()
-        spare = _spare.get((device.alias, where.stream_key, dims))
+        if capturing and not _spare.get(key):
+            _release_stream(where.stream_key)  # forwards of the warm-up left their grids cached
+        spare = _spare.get(key)
         grid = spare.pop() if spare else None
     if grid is None:
+        if capturing:
+            raise RuntimeError(
+                "warp::radius_aggregate: a CUDA graph capture needs a hash grid built eagerly "
+                "on the capturing stream first; run the captured function once before capture"
+            )
         grid = wp.HashGrid(*dims, device=device)
         grid.cell_dims = dims  # part of the key under which _retire keeps it
+        grid.descriptor_for = None
     points = _points_array(p_ref, device)
     if where.stream is None:
         grid.build(points, radius)
-    else:
-        # The build's sort and its stream-ordered allocations go to the device's current stream.
-        with wp.ScopedStream(where.stream, sync_enter=False):
-            grid.build(points, radius)
-    return grid
+        return grid, grid.id
+    # The build's sort and its stream-ordered allocations go to the device's current stream.
+    with wp.ScopedStream(where.stream, sync_enter=False):
+        grid.build(points, radius)
+        if capturing:
+            return grid, _captured_id(grid, p_ref.shape[0], radius)
+        _descriptor_copy(grid, p_ref.shape[0], radius, p_ref.device)
+    return grid, grid.id
+
+
+def _descriptor_copy(grid: Any, n_points: int, radius: float, device: torch.device) -> None:
+    """Refresh the grid's device copy of its descriptor after an eager build that changed it.
+
+    A build rewrites the descriptor's point count and cell width, and its array pointers only
+    when more points than ever need larger arrays; so a copy made after a build with the same
+    point count and cell width is still exact, and a steady loop copies nothing. The copy
+    runs on the build's stream, after it.
+    """
+    if grid.descriptor_for == (n_points, radius):
+        return
+    wp = _warp()
+    if grid.descriptor_for is None:
+        grid.descriptor = torch.empty(GRID_DESCRIPTOR_BYTES, dtype=torch.uint8, device=device)
+        grid.descriptor_views = tuple(
+            wp.array(ptr=ptr, dtype=wp.uint8, shape=(GRID_DESCRIPTOR_BYTES,), device=grid.device)
+            for ptr in (grid.descriptor.data_ptr(), grid.id)
+        )
+    wp.copy(*grid.descriptor_views)
+    grid.descriptor_for = (n_points, radius)
+
+
+def _captured_id(grid: Any, n_points: int, radius: float) -> int:
+    """The id a captured call queries ``grid`` by: its descriptor copy (see the module
+    docstring), which the eager warm-up made at these sizes. The grid now belongs to the graph."""
+    _check_descriptor_layout()
+    if grid.descriptor_for != (n_points, radius):
+        raise RuntimeError(
+            "warp::radius_aggregate: a CUDA graph capture needs a hash grid built eagerly at the "
+            f"same size first ({n_points} points, radius {radius}); run the captured function "
+            "once before capture"
+        )
+    grid.captured = True
+    capture.keep_alive(grid)
+    return grid.descriptor.data_ptr()
+
+
+@functools.cache
+def _check_descriptor_layout() -> None:
+    """Check that Warp's float32 grid descriptor is the :data:`GRID_DESCRIPTOR_BYTES`-byte
+    struct the descriptor copies assume, by reading a small CPU grid's (the same struct, in
+    host memory): its last fields, the cell width and its inverse, end at that size."""
+    import ctypes
+
+    wp = _warp()
+    grid = wp.HashGrid(3, 4, 5, device="cpu")
+    grid.build(wp.zeros(7, dtype=wp.vec3, device="cpu"), 0.25)
+    raw = ctypes.string_at(grid.id, GRID_DESCRIPTOR_BYTES)
+    dims_and_count = tuple(int.from_bytes(raw[o : o + 4], "little") for o in (40, 44, 48, 52))
+    widths = tuple(ctypes.c_float.from_buffer_copy(raw, o).value for o in (80, 84))
+    if dims_and_count != (3, 4, 5, 7) or widths != (0.25, 4.0):
+        raise RuntimeError(
+            f"Warp {wp.__version__}: the hash grid descriptor is not the layout the warp "
+            "backend copies for CUDA graphs; capture its operators with an earlier Warp"
+        )
+
+
+def _release_stream(stream_key: tuple | None) -> None:
+    """Hand the cached grids of forwards on ``stream_key`` to the spare grids (caller holds
+    the lock): a capture on a stream of its own takes the warm-up's grids over."""
+    for key in [k for k, e in _grids.items() if e.where.stream_key == stream_key]:
+        _retire(_grids.pop(key))
 
 
 def _put_grid(key: tuple, entry: _Entry) -> None:
@@ -665,11 +765,11 @@ def _new_entry(p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, where:
     """A fresh grid over ``p_ref``, the descriptors of both clouds, and room for the per-query
     normalisers ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) / sigma)``)."""
     wp = _warp()
-    grid = _build_grid(p_ref, radius, where)
+    grid, grid_id = _build_grid(p_ref, radius, where)
     points = (_desc(p_query, wp.vec3), _desc(p_ref, wp.vec3))
     norms = torch.empty((2, p_query.shape[0]), dtype=torch.float32, device=p_query.device)
     shift, inv_norm = norms  # one allocation, two contiguous rows
-    return _Entry(grid, (shift, inv_norm), (_desc(shift), _desc(inv_norm)), points, where)
+    return _Entry(grid, grid_id, (shift, inv_norm), (_desc(shift), _desc(inv_norm)), points, where)
 
 
 def _forward(
@@ -682,7 +782,7 @@ def _forward(
     m, f = p_query.shape[0], feats.shape[1]
     entry = _new_entry(p_query, p_ref, radius, where)
     out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
-    args = [entry.grid.id, *entry.points, _desc(feats), radius, sigma, _desc(out)]
+    args = [entry.grid_id, *entry.points, _desc(feats), radius, sigma, _desc(out)]
     _launch(_kernels().aggregate_online, (m, _chunks(f)), [*args, *entry.norm_descs], where)
     # The backward needs the same grid and normalisers: leave them in the cache.
     _put_grid(_grid_key(p_query, p_ref, radius, sigma), entry)
@@ -758,11 +858,11 @@ def _backward_impl(
     entry = _take_grid(_grid_key(p_query, p_ref, radius, sigma))
     if entry is None:  # the forward's grid is gone: rebuild it and the normalisers
         entry = _new_entry(p_query, p_ref, radius, where)
-        args = [entry.grid.id, *entry.points, radius, sigma, *entry.norm_descs]
+        args = [entry.grid_id, *entry.points, radius, sigma, *entry.norm_descs]
         _launch(k.normaliser, (m,), args, where)
     # Fresh zeros every call: both kernels accumulate into grad_feats.
     grad_feats = torch.zeros_like(feats)
-    common = [entry.grid.id, *entry.points]
+    common = [entry.grid_id, *entry.points]
     if kind == "adjoint":
         # The adjoint of `aggregate`: the forward arguments again, then one adjoint per
         # argument. Only feats and out have one; None is a null array (no gradient wanted) and
