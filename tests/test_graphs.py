@@ -96,10 +96,12 @@ def test_replay_survives_other_grids():
 
 
 @needs_cuda
-def test_captured_grids_belong_to_the_graph():
+def test_captured_grids_belong_to_the_graph(capfd):
     model = projector()
     p_query, p_ref, target = data()
     step = graphs.captured_train_step(model, model.parameters(), p_query, p_ref, target)
+    # The capture was registered with Warp: no scratch buffer left behind outside the graph.
+    assert "unregistered graph capture" not in capfd.readouterr().err
     kept = [g for g in step.kept if isinstance(g, wb._warp().HashGrid)]
     assert len(kept) == 1 and kept[0].captured
     with torch.cuda.stream(step.stream):  # eager calls on the capture stream take spare grids

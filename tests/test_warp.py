@@ -656,3 +656,20 @@ def test_saxpy_methods_follow_new_tensors_and_sizes(device, method):
         torch.testing.assert_close(y, 2.0 * x + 1.0)
     with pytest.raises(ValueError, match="method: expected one of"):
         wi.launch_saxpy(x, y, 2.0, "by hand")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_descriptors_keep_no_tensor_alive(device):
+    # wp.from_torch attaches the tensor to its descriptor; the kept ones must not hold it,
+    # or the cache would keep tensors and their autograd graphs (and memory) alive.
+    import gc
+    import weakref
+
+    p_query, p_ref, feats = problem(device)
+    lifted = (feats * 2.0).requires_grad_(True)
+    hidden = lifted * 1.5  # an intermediate with an autograd graph behind it
+    warp_op(p_query, p_ref, hidden).sum().backward()
+    alive = [weakref.ref(t) for t in (lifted, hidden)]
+    del lifted, hidden
+    gc.collect()
+    assert [r() for r in alive] == [None, None]

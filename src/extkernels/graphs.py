@@ -64,7 +64,7 @@ class CapturedStep:
         # `kept`: what backends captured outside PyTorch's memory (Warp grids), alive as long
         # as the graph.
         with capture.owner() as self.kept, value_checks(False):
-            with torch.cuda.graph(self.graph, stream=self.stream):
+            with torch.cuda.graph(self.graph, stream=self.stream), capture.hooks():
                 self.result = fn()
 
     def __call__(self) -> object:

@@ -11,15 +11,16 @@ also stops reusing it for other calls: its memory now belongs to the graph.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import torch
 
-__all__ = ["capturing", "keep_alive", "owner"]
+__all__ = ["capturing", "keep_alive", "owner", "register_hook", "hooks"]
 
 _lock = threading.Lock()
 _owners: list[list] = []
+_hooks: list[Callable[[], AbstractContextManager]] = []
 # Objects captured outside any owner (a graph captured directly with torch.cuda.graph): kept
 # for the life of the process, since nothing says when their graph is gone.
 _unowned: list = []
@@ -48,3 +49,20 @@ def owner() -> Iterator[list]:
     finally:
         with _lock:
             _owners.remove(kept)
+
+
+def register_hook(hook: Callable[[], AbstractContextManager]) -> Callable:
+    """Register ``hook``: a context manager that :func:`hooks` enters inside every capture made
+    by :class:`extkernels.graphs.CapturedStep` (a backend telling its library about the
+    capture). Returns ``hook``, so it can decorate."""
+    _hooks.append(hook)
+    return hook
+
+
+@contextmanager
+def hooks() -> Iterator[None]:
+    """Enter every registered hook (inside ``torch.cuda.graph``, on the capturing stream)."""
+    with ExitStack() as stack:
+        for hook in _hooks:
+            stack.enter_context(hook())
+        yield

@@ -102,12 +102,14 @@ registered here, the kernels are compiled (and cached on disk by Warp) on the fi
 """
 
 # No ``from __future__ import annotations`` here: Warp reads the kernels' annotations as objects.
+import contextlib
 import functools
 import importlib.util
 import math
 import threading
 import types
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -437,16 +439,22 @@ def _kept(key: tuple, make) -> Any:
 def _desc(t: torch.Tensor, dtype: Any = None) -> Any:
     """A Warp array descriptor over ``t``'s memory (no copy, no gradient buffer).
 
-    A descriptor is a value: the address, shape and strides of the memory, nothing that
-    refers to the tensor. The one made for an address, shape, strides and dtype therefore
-    serves every later tensor with the same ones, and in a training loop PyTorch's caching
-    allocator hands the same addresses back every iteration: the descriptors are cached by
-    those values, and a steady loop converts nothing.
+    A descriptor is a value: the address, shape and strides of the memory. The one made for
+    an address, shape, strides and dtype therefore serves every later tensor with the same
+    ones, and in a training loop PyTorch's caching allocator hands the same addresses back
+    every iteration: the descriptors are cached by those values, and a steady loop converts
+    nothing. ``wp.from_torch`` also attaches the tensor to its descriptor, to keep it alive
+    while the descriptor is in use; a kept descriptor must not keep it (nor, through it,
+    its autograd graph), so that reference is dropped: the caller holds the tensor while
+    the kernel that reads it is queued, and the allocator's stream order does the rest.
     """
-    return _kept(
-        (t.data_ptr(), t.shape, t.stride(), dtype),
-        lambda: _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True),
-    )
+
+    def make() -> Any:
+        desc = _warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
+        desc._ref = desc._gradref = None
+        return desc
+
+    return _kept((t.data_ptr(), t.shape, t.stride(), dtype), make)
 
 
 def _points_array(p: torch.Tensor, device: Any) -> Any:
@@ -662,6 +670,24 @@ def _captured_id(grid: Any, n_points: int, radius: float) -> int:
     grid.captured = True
     capture.keep_alive(grid)
     return grid.descriptor.data_ptr()
+
+
+@capture.register_hook
+@contextlib.contextmanager
+def _registered_capture() -> Iterator[None]:
+    """Tell Warp that PyTorch is capturing its current stream (an *external* capture), so
+    that Warp allocates the hash-grid sort's scratch memory in the graph, freed with it.
+    Nothing to tell when Warp has not run in this process."""
+    if _warp.cache_info().currsize == 0:
+        yield
+        return
+    wp = _warp()
+    stream = _where(torch.device("cuda", torch.cuda.current_device())).stream
+    wp.capture_begin(stream=stream, external=True, capture_mode=wp.CaptureMode.GLOBAL)
+    try:
+        yield
+    finally:
+        wp.capture_end(stream=stream)
 
 
 @functools.cache
