@@ -2,8 +2,8 @@
 
 Each function isolates one interop cost: how a tensor is handed to a Warp kernel
 (:func:`launch_saxpy`), PyTorch's deferred gradient allocation (:class:`SquaresNaive` against
-:class:`SquaresFixed`), whether Warp shares PyTorch's stream (:func:`saxpy_chain`), and capturing
-PyTorch and Warp work in one CUDA graph (:func:`capture`). The operators of
+:class:`SquaresFixed`) and whether Warp shares PyTorch's stream (:func:`saxpy_chain`); chapter 7
+captures them in CUDA graphs with :class:`extkernels.graphs.CapturedStep`. The operators of
 :mod:`extkernels.ops.warp_backend` apply the fast choice of each.
 """
 
@@ -23,7 +23,6 @@ __all__ = [
     "SquaresFixed",
     "squares_step",
     "saxpy_chain",
-    "capture",
     "synchronising_calls",
 ]
 
@@ -209,20 +208,6 @@ def saxpy_chain(x: torch.Tensor, y: torch.Tensor, n_links: int, *, shared: bool)
             wp.launch(saxpy, dim=x.shape[0], inputs=[xs, ys, 1.0], device=device)
             wp.synchronize_stream(wp.get_stream(device))
     return y
-
-
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """Capture ``fn`` (PyTorch ops and Warp launches on PyTorch's current stream) in one CUDA
-    graph, after a warm-up run on a side stream as PyTorch requires. Replay with ``.replay()``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def synchronising_calls(fn: Callable[[], object]) -> int:
