@@ -67,12 +67,11 @@ def _kernels() -> Any:
 
 
 def _stream(t: torch.Tensor):
-    """Warp on PyTorch's current stream (CUDA), or nothing to do (CPU)."""
-    wp = _wp()
+    """Warp on PyTorch's current stream (CUDA), or nothing to do (CPU). The Warp wrapper of
+    the stream is the operators' kept one (``warp_backend._where``): a wrapper made and
+    dropped per call would register and release the stream with Warp every time."""
     if t.is_cuda:
-        return wp.ScopedStream(
-            wp.stream_from_torch(torch.cuda.current_stream(t.device)), sync_enter=False
-        )
+        return _wp().ScopedStream(_where(t.device).stream, sync_enter=False)
     return nullcontext()
 
 
