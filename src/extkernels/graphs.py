@@ -16,9 +16,9 @@ Capture has rules, which :class:`CapturedStep` follows:
 - The result is static too: each replay overwrites the tensor the capture returned.
 - A training step needs an optimizer that keeps its state on the device
   (``capturable=True``), and gradients set to ``None`` before capture, so that the backward
-  allocates them in the graph's memory (:func:`~extkernels.timing.make_train_step` does both).
+  allocates them in the graph's memory (:func:`~extkernels.training.make_train_step` does both).
 
-The Warp operators support capture (see :mod:`extkernels.ops.warp_backend`); cuML's search
+The Warp operators support capture (see :mod:`extkernels.ops.warp.grids`); cuML's search
 synchronises with the host and cannot be captured.
 """
 
@@ -30,7 +30,7 @@ import torch
 
 from .ops import capture
 from .ops.checks import value_checks
-from .timing import make_train_step
+from .training import make_train_step
 
 __all__ = ["CapturedStep", "captured_forward", "captured_train_step"]
 

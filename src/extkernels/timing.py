@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch.utils import benchmark
 
+from .graphs import captured_forward, captured_train_step
 from .ops.checks import value_checks
+from .training import make_train_step
 
 __all__ = [
     "Timing",
@@ -52,40 +53,6 @@ class Timing:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def make_train_step(
-    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    params,
-    p_query: torch.Tensor,
-    p_ref: torch.Tensor,
-    target: torch.Tensor,
-    lr: float = 1e-3,
-    capturable: bool = False,
-) -> Callable[[], torch.Tensor]:
-    """A closure doing one training step: zero_grad, forward, MSE, backward, Adam step.
-
-    ``model`` may be a compiled module; ``params`` are the parameters Adam updates. With
-    ``capturable``, Adam keeps its step count on the device, so that the step can be captured
-    in a CUDA graph (:mod:`extkernels.graphs`).
-
-    Returns:
-        ``step()`` returning the (detached) loss.
-    """
-    params = list(params)
-    # On a GPU, Adam's fused implementation (one kernel for all parameters) keeps the optimizer
-    # step from dominating the small models of this book; the arithmetic is Adam's either way.
-    fused = bool(params) and all(p.is_cuda for p in params)
-    optimizer = torch.optim.Adam(params, lr=lr, fused=fused or None, capturable=capturable)
-
-    def step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(p_query, p_ref), target)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return step
 
 
 def time_fn(fn: Callable[[], object], n_iters: int) -> float:
@@ -146,8 +113,6 @@ def time_projector(
     """
     params = params if params is not None else model.parameters()
     if graphs:
-        from .graphs import captured_forward, captured_train_step
-
         forward = captured_forward(model, p_query, p_ref, warmup=n_warmup)
         step = captured_train_step(model, params, p_query, p_ref, target, warmup=n_warmup)
     else:

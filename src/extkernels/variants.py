@@ -1,4 +1,4 @@
-"""Every version of the running example, as the benchmark command and chapter 12 run them.
+"""Every version of the running example, as the benchmark command and the chapters run them.
 
 A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and whether it is
 compiled; :meth:`Variant.build` makes the model and data at a :class:`~extkernels.Problem`'s
@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .data import query_grid, reference_cloud, targets
+from .memory import use_rmm_pool
 from .models import KnnAggregation, Projector, RadiusAggregation
 from .ops import backends
 from .problem import Problem
-from .timing import Timing, first_call_seconds, make_train_step, time_projector
+from .timing import Timing, first_call_seconds, time_projector
+from .training import make_train_step
 
 __all__ = ["Variant", "VARIANTS", "get", "run", "baseline_of"]
 
@@ -95,12 +97,6 @@ class Variant:
         return model, run_model, (p_query, p_ref, target)
 
 
-def _rmm_pool() -> None:
-    from .memory import use_rmm_pool
-
-    use_rmm_pool()
-
-
 VARIANTS: list[Variant] = [
     Variant("knn/torch", "knn", "torch", chapter=1),
     Variant("knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2),
@@ -116,7 +112,7 @@ VARIANTS: list[Variant] = [
         fullgraph=True,
         chapter=4,
         isolated=True,
-        setup=_rmm_pool,
+        setup=use_rmm_pool,
     ),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),

@@ -1,44 +1,63 @@
-"""Input checks shared by every operator and backend.
+"""The one validation contract of every operator (chapter 1; chapter 3 wires it into fakes).
 
-Each check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device,
-layout or value) with a message that names the argument and says what was expected.
+The public entry points, every backend's custom operators and every fake implementation call
+the same functions here, one per operation (:func:`check_knn`, :func:`check_knn_aggregate`,
+:func:`check_radius_aggregate`, and :func:`check_grad_out` for backward operators). Each raises
+``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, layout or value) with
+a message that starts with the argument's name and says what was expected.
 
-Checks on tensor *metadata* (dtype, shape, device, layout) are free and always run, also while
-``torch.compile`` traces. Checks on tensor *values* (finite coordinates) need the values on the
-host, which is a device synchronisation and, while tracing, a graph break; they therefore run
-in eager mode only. Compiled callers get them from the operators' own eager implementations.
+Checks of tensor *metadata* (dtype, shape, device, layout) are free and always run, also while
+``torch.compile`` traces and inside fake implementations, so a compiled caller fails at trace
+time exactly where an eager one fails at run time. Checks of tensor *values* (finite
+coordinates) need the values on the host: a device synchronisation and, while tracing, a graph
+break. They therefore run in eager mode only, once per call: both clouds in one
+synchronisation, by whoever is called first. An entry point checks, then calls its backend
+through :func:`call_checked`, so that the backend's operator does not check again; an operator
+called directly checks itself; a compiled caller gets the check from the operator's real
+implementation, which runs eagerly inside the compiled graph.
 
-Because they synchronise, value checks can be switched off for a block of code with
-:func:`value_checks` (``with value_checks(False): ...``); the timing protocol does so after its
-warm-up, which ran with them on (chapter 7 measures what they cost).
+:func:`value_checks` switches the value checks off for a block of code (``with
+value_checks(False): ...``); the timing protocol does so after its warm-up, which ran with them
+on (chapter 7 measures what they cost).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = [
+    "check_knn",
+    "check_knn_aggregate",
+    "check_radius_aggregate",
+    "check_grad_out",
     "check_cloud",
     "check_feats",
     "check_k",
     "check_positive",
     "check_same_device",
+    "call_checked",
     "values_checked",
     "value_checks",
 ]
 
+T = TypeVar("T")
+
+# The reader's switch (process wide), and how deep this thread is inside call_checked.
 _enabled = {"values": True}
+_local = threading.local()
 
 
 @contextmanager
 def value_checks(enabled: bool) -> Iterator[None]:
-    """Turn the checks of tensor values on or off inside a ``with`` block (for every backend)."""
+    """Turn the checks of tensor values on or off inside a ``with`` block (every backend)."""
     previous = _enabled["values"]
     _enabled["values"] = bool(enabled)
     try:
@@ -48,21 +67,32 @@ def value_checks(enabled: bool) -> Iterator[None]:
 
 
 def values_checked(t: torch.Tensor | None = None) -> bool:
-    """True where value checks can run: in eager mode on real tensors, not while
-    ``torch.compile`` traces and not on the fake tensors of a fake implementation."""
+    """True where value checks run: in eager mode, on real tensors, with the checks on, and not
+    inside :func:`call_checked` (whose caller has checked the values already)."""
     if not _enabled["values"] or torch.compiler.is_compiling():
+        return False
+    if getattr(_local, "depth", 0):
         return False
     return t is None or not (is_fake(t) or t.device.type == "meta")
 
 
-def check_cloud(
-    name: str, points: object, *, dtypes=(torch.float32,), values: bool | None = None
-) -> torch.Tensor:
-    """A point cloud: a contiguous, non-empty ``(n, 3)`` tensor of finite float32 coordinates.
+def call_checked(fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` with this thread's value checks off: the caller has just run
+    them. (While compiling, a plain call: no value check runs at trace time anyway.)"""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _local.depth -= 1
 
-    ``values=False`` checks the metadata only (a caller whose inputs were checked already);
-    the default checks the values wherever :func:`values_checked` allows it.
-    """
+
+# ---------------------------------------------------------------- one argument at a time
+
+
+def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:
+    """Metadata of a point cloud: a contiguous, non-empty ``(n, 3)`` float32 tensor."""
     if not isinstance(points, torch.Tensor):
         raise TypeError(
             f"{name}: expected a torch.Tensor of shape (n, 3), got {type(points).__name__}"
@@ -76,10 +106,6 @@ def check_cloud(
         raise ValueError(f"{name}: expected at least one point, got an empty cloud of shape (0, 3)")
     if not points.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
-    if values is None:
-        values = values_checked(points)
-    if values and not bool(torch.isfinite(points).all()):
-        raise ValueError(f"{name}: expected finite coordinates, found NaN or infinity")
     return points
 
 
@@ -131,3 +157,92 @@ def check_positive(name: str, value: object) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}: expected a finite value > 0, got {value}")
     return float(value)
+
+
+def check_finite(values: bool | None = None, **clouds: torch.Tensor) -> None:
+    """Finite coordinates in every cloud, found with one host synchronisation for all of them.
+
+    ``values=None`` checks wherever :func:`values_checked` allows it, ``False`` never,
+    ``True`` always (on real tensors)."""
+    first = next(iter(clouds.values()))
+    if values is None:
+        values = values_checked(first)
+    if not values:
+        return
+    finite = torch.stack([torch.isfinite(c).all() for c in clouds.values()])
+    if bool(finite.all()):  # the one synchronisation
+        return
+    for (name, _), ok in zip(clouds.items(), finite.tolist(), strict=True):
+        if not ok:
+            raise ValueError(f"{name}: expected finite coordinates, found NaN or infinity")
+
+
+# ---------------------------------------------------------------- one call at a time
+
+
+def _clouds(p_query: object, p_ref: object) -> None:
+    check_cloud("p_query", p_query)
+    check_cloud("p_ref", p_ref)
+    check_same_device(p_query=p_query, p_ref=p_ref)
+
+
+def check_knn(p_query: object, p_ref: object, k: object, *, values: bool | None = None) -> int:
+    """The arguments of ``knn``: two clouds on one device, ``1 <= k <= N``. Returns ``k``."""
+    _clouds(p_query, p_ref)
+    k = check_k(k, p_ref.shape[0])
+    check_finite(values, p_query=p_query, p_ref=p_ref)
+    return k
+
+
+def check_knn_aggregate(
+    p_query: object,
+    p_ref: object,
+    feats: object,
+    k: object,
+    sigma: object,
+    *,
+    values: bool | None = None,
+) -> tuple[int, float]:
+    """The arguments of ``knn_aggregate``. Returns ``(k, sigma)``."""
+    _clouds(p_query, p_ref)
+    check_feats(feats, p_ref.shape[0])
+    check_same_device(p_ref=p_ref, feats=feats)
+    k = check_k(k, p_ref.shape[0])
+    sigma = check_positive("sigma", sigma)
+    check_finite(values, p_query=p_query, p_ref=p_ref)
+    return k, sigma
+
+
+def check_radius_aggregate(
+    p_query: object,
+    p_ref: object,
+    feats: object,
+    radius: object,
+    sigma: object,
+    *,
+    values: bool | None = None,
+) -> tuple[float, float]:
+    """The arguments of ``radius_aggregate``. Returns ``(radius, sigma)``."""
+    _clouds(p_query, p_ref)
+    check_feats(feats, p_ref.shape[0])
+    check_same_device(p_ref=p_ref, feats=feats)
+    radius = check_positive("radius", radius)
+    sigma = check_positive("sigma", sigma)
+    check_finite(values, p_query=p_query, p_ref=p_ref)
+    return radius, sigma
+
+
+def check_grad_out(grad_out: object, p_query: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """The incoming gradient of an aggregation's backward operator: a contiguous float32
+    ``(M, F)`` tensor on the device of the clouds."""
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
+    if grad_out.dtype != torch.float32:
+        raise TypeError(f"grad_out: expected dtype torch.float32, got {grad_out.dtype}")
+    want = (p_query.shape[0], feats.shape[1])
+    if tuple(grad_out.shape) != want:
+        raise ValueError(f"grad_out: expected shape {want} (M, F), got {tuple(grad_out.shape)}")
+    if not grad_out.is_contiguous():
+        raise ValueError("grad_out: expected a contiguous tensor (call .contiguous() first)")
+    check_same_device(p_query=p_query, grad_out=grad_out)
+    return grad_out

@@ -1,79 +1,151 @@
-"""One public entry point per operation, many backends behind it.
+"""Backends as plug-ins: one record per backend, one registration each (chapter 3 adds the
+second backend; every later chapter adds one the same way).
 
-A backend registers an implementation of an operation under a name (``torch``, ``cuml``,
-``warp``, ...), the devices it runs on and a test of whether it can run on this machine. The
-public functions in :mod:`extkernels.ops` check their inputs once and dispatch here, so a new
-chapter adds a backend without touching callers.
+A :class:`Backend` names the devices it runs on, a test of whether its library is installed,
+and its implementation of each operation it provides. A kNN backend writes only its search:
+``knn_aggregate`` is then derived from it (the search under ``no_grad``, then
+:func:`~extkernels.ops.gather.softmax_gather`), so every kNN backend is a projector at once.
+``operators`` names the backend's custom operators that take an operation's arguments, so
+that the conformance suite (``tests/test_backends.py``) runs ``opcheck`` on them: a new
+backend gets the suite by registering.
+
+Compiled extensions (chapter 9's CUDA C++) keep their sources inside their backend's folder
+(``ops/<backend>/csrc/``) and are built just in time, on first use, into PyTorch's extension
+cache (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache/torch_extensions``), never into
+the source tree: a checkout stays clean and every machine builds for its own GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Backend", "register", "backends", "lookup"]
+from .gather import softmax_gather
+
+__all__ = [
+    "OPERATIONS",
+    "CUDAGRAPH_UNSAFE",
+    "Backend",
+    "register",
+    "registered",
+    "backends",
+    "lookup",
+]
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
+
+#: Tags of a custom operator that synchronises with the host or keeps state in Python between
+#: calls: inductor's CUDA graphs (``mode="reduce-overhead"``) partition around it
+#: (``torch.Tag.cudagraph_unsafe``, torch >= 2.9; nothing on older releases).
+CUDAGRAPH_UNSAFE: tuple = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
+
+
+def _always() -> bool:
+    return True
+
+
+def _derive_knn_aggregate(knn: Callable) -> Callable:
+    """``knn_aggregate`` from a search: neighbours without gradient, then the differentiable
+    softmax-gather-sum (gradients reach ``feats`` through the gather)."""
+
+    def knn_aggregate(p_query, p_ref, feats, k, sigma, **options):
+        with torch.no_grad():
+            distances, indices = knn(p_query, p_ref, k, **options)
+        return softmax_gather(distances, indices, feats, sigma)
+
+    knn_aggregate.__doc__ = f"kNN-weighted aggregation over the search of {knn.__module__}."
+    return knn_aggregate
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of one operation."""
+    """One backend: where it runs and what it implements.
 
-    op: str
+    Attributes:
+        name: the ``backend=`` of the public entry points (``torch``, ``cuml``, ``warp``...).
+        devices: device types whose tensors it accepts.
+        available: whether its library is installed (a cheap test: no import).
+        knn, knn_aggregate, radius_aggregate: its implementation of each operation, called
+            with checked arguments (see :mod:`~extkernels.ops.checks`) and the caller's extra
+            keyword options; ``knn_aggregate`` is derived from ``knn`` when not given.
+        operators: operation -> qualified name (``"lib::name"``) of the custom operator that
+            implements it with the operation's own arguments (what ``opcheck`` runs on).
+        chapter: the chapter that teaches it.
+    """
+
     name: str
-    fn: Callable
-    devices: tuple[str, ...]
-    available: Callable[[], bool]
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    available: Callable[[], bool] = _always
+    knn: Callable | None = None
+    knn_aggregate: Callable | None = None
+    radius_aggregate: Callable | None = None
+    operators: Mapping[str, str] = field(default_factory=dict)
+    chapter: int = 1
+
+    def __post_init__(self) -> None:
+        if self.knn is not None and self.knn_aggregate is None:
+            object.__setattr__(self, "knn_aggregate", _derive_knn_aggregate(self.knn))
+        unknown = set(self.operators) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(f"operators: expected keys among {OPERATIONS}, got {sorted(unknown)}")
+
+    def implements(self, op: str) -> bool:
+        """Whether it provides operation ``op`` (directly or derived)."""
+        return getattr(self, op, None) is not None
+
+    def operator(self, op: str):
+        """The custom operator implementing ``op`` (an ``OpOverload``), or ``None``."""
+        qualname = self.operators.get(op)
+        if qualname is None:
+            return None
+        namespace, name = qualname.split("::")
+        return getattr(getattr(torch.ops, namespace), name).default
+
+    def runs_on(self, device_type: str) -> bool:
+        """Whether it can run on tensors of ``device_type`` on this machine."""
+        here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
+        return device_type in self.devices and here and self.available()
 
     def runs_here(self) -> bool:
-        """True when its library is importable and one of its devices exists on this machine."""
-        has_device = any(
-            d == "cpu" or (d == "cuda" and torch.cuda.is_available()) for d in self.devices
-        )
-        return has_device and self.available()
+        """True when its library is installed and one of its devices exists here."""
+        return any(self.runs_on(d) for d in self.devices)
 
 
-_REGISTRY: dict[str, dict[str, Backend]] = {op: {} for op in OPERATIONS}
+_BACKENDS: dict[str, Backend] = {}
 
 
-def register(
-    op: str,
-    name: str,
-    *,
-    devices: tuple[str, ...] = ("cpu", "cuda"),
-    available: Callable[[], bool] = lambda: True,
-) -> Callable[[Callable], Callable]:
-    """Decorator: make ``fn`` the ``name`` backend of operation ``op``."""
-    if op not in _REGISTRY:
-        raise ValueError(f"op: expected one of {OPERATIONS}, got {op!r}")
+def register(backend: Backend) -> Backend:
+    """Add ``backend`` (replacing one of the same name); returns it."""
+    _BACKENDS[backend.name] = backend
+    return backend
 
-    def decorate(fn: Callable) -> Callable:
-        _REGISTRY[op][name] = Backend(op, name, fn, tuple(devices), available)
-        return fn
 
-    return decorate
+def registered() -> list[Backend]:
+    """Every registered backend, whether or not it can run here (for the conformance suite)."""
+    return list(_BACKENDS.values())
 
 
 def backends(op_name: str) -> list[str]:
     """Names of the backends of ``op_name`` that can run on this machine."""
-    if op_name not in _REGISTRY:
+    if op_name not in OPERATIONS:
         raise ValueError(f"op_name: expected one of {OPERATIONS}, got {op_name!r}")
-    return [name for name, b in _REGISTRY[op_name].items() if b.runs_here()]
+    return [b.name for b in _BACKENDS.values() if b.implements(op_name) and b.runs_here()]
 
 
-def lookup(op: str, name: str, device: torch.device) -> Backend:
-    """The backend ``name`` of ``op``, checked against the device of its inputs."""
-    table = _REGISTRY[op]
-    if name not in table:
-        raise ValueError(f"backend: expected one of {sorted(table)} for {op}, got {name!r}")
-    b = table[name]
+def lookup(op: str, name: str, device: torch.device) -> Callable:
+    """The implementation of ``op`` by backend ``name``, checked against the inputs' device."""
+    b = _BACKENDS.get(name)
+    if b is None or not b.implements(op):
+        known = sorted(n for n, b in _BACKENDS.items() if b.implements(op))
+        raise ValueError(f"backend: expected one of {known} for {op}, got {name!r}")
     if device.type not in b.devices:
         raise ValueError(
             f"backend: {name!r} runs on {' or '.join(b.devices)} tensors, got tensors on {device}"
         )
     if not torch.compiler.is_compiling() and not b.available():
         raise RuntimeError(f"backend: {name!r} is not available on this machine (is it installed?)")
-    return b
+    return getattr(b, op)

@@ -3,8 +3,8 @@
 Each function isolates one interop cost: how a tensor is handed to a Warp kernel
 (:func:`launch_saxpy`), PyTorch's deferred gradient allocation (:class:`SquaresNaive` against
 :class:`SquaresFixed`) and whether Warp shares PyTorch's stream (:func:`saxpy_chain`); chapter 7
-captures them in CUDA graphs with :class:`extkernels.graphs.CapturedStep`. The operators of
-:mod:`extkernels.ops.warp_backend` apply the fast choice of each.
+captures them in CUDA graphs with :class:`extkernels.graphs.CapturedStep`. The warp backend
+applies the fast choice of each, through the helpers of :mod:`extkernels.ops.warp.interop`.
 """
 
 import functools
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .ops.warp_backend import _launch, _where
+from ..ops.warp.interop import launch, warp, where
 
 __all__ = [
     "METHODS",
@@ -31,15 +31,9 @@ __all__ = [
 METHODS = ("from_torch", "from_torch(return_ctype=True)", "tensor directly", "recorded launch")
 
 
-def _wp() -> Any:
-    from .ops.warp_backend import init
-
-    return init()
-
-
 @functools.cache
 def _kernels() -> Any:
-    wp = _wp()
+    wp = warp()
 
     @wp.kernel
     def saxpy(x: wp.array(dtype=float), y: wp.array(dtype=float), a: float):
@@ -68,10 +62,11 @@ def _kernels() -> Any:
 
 def _stream(t: torch.Tensor):
     """Warp on PyTorch's current stream (CUDA), or nothing to do (CPU). The Warp wrapper of
-    the stream is the operators' kept one (``warp_backend._where``): a wrapper made and
-    dropped per call would register and release the stream with Warp every time."""
+    the stream is the operators' kept one (:func:`~extkernels.ops.warp.interop.where`): a
+    wrapper made and dropped per call would register and release the stream with Warp every
+    time."""
     if t.is_cuda:
-        return _wp().ScopedStream(_where(t.device).stream, sync_enter=False)
+        return warp().ScopedStream(where(t.device).stream, sync_enter=False)
     return nullcontext()
 
 
@@ -81,7 +76,7 @@ def launch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float, method: str) -> Non
     Args:
         x, y: ``(n,)`` float32 on one device; ``y`` is updated in place.
     """
-    wp = _wp()
+    wp = warp()
     saxpy, _, _ = _kernels()
     if method == "from_torch":
         args = [wp.from_torch(x), wp.from_torch(y)]
@@ -90,10 +85,11 @@ def launch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float, method: str) -> Non
     elif method == "tensor directly":
         args = [x, y]
     elif method == "recorded launch":
-        # What the book's operators do (see warp_backend._launch): record the launch on the
-        # first call, then overwrite its parameters with the new descriptors and replay it.
+        # What the book's operators do (see extkernels.ops.warp.interop.launch): record the
+        # launch on the first call, then overwrite its parameters with the new descriptors
+        # and replay it.
         args = [wp.from_torch(x, return_ctype=True), wp.from_torch(y, return_ctype=True), a]
-        _launch(saxpy, (x.shape[0],), args, _where(x.device))
+        launch(saxpy, (x.shape[0],), args, where(x.device))
         return
     else:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -102,7 +98,7 @@ def launch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float, method: str) -> Non
 
 
 def _squares(a: torch.Tensor, b: torch.Tensor, convert: Callable) -> torch.Tensor:
-    wp = _wp()
+    wp = warp()
     _, squares, _ = _kernels()
     out = torch.empty_like(a)
     with _stream(a):
@@ -116,7 +112,7 @@ def _squares(a: torch.Tensor, b: torch.Tensor, convert: Callable) -> torch.Tenso
 
 
 def _squares_grad(grad_out, a, b, convert: Callable):
-    wp = _wp()
+    wp = warp()
     _, _, squares_grad = _kernels()
     grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
     with _stream(a):
@@ -146,16 +142,16 @@ class SquaresNaive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return _squares(a, b, _wp().from_torch)
+        return _squares(a, b, warp().from_torch)
 
     @staticmethod
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
-        return _squares_grad(grad_out, a, b, _wp().from_torch)
+        return _squares_grad(grad_out, a, b, warp().from_torch)
 
 
 def _plain(t: torch.Tensor):
-    return _wp().from_torch(t, requires_grad=False, return_ctype=True)
+    return warp().from_torch(t, requires_grad=False, return_ctype=True)
 
 
 class SquaresFixed(SquaresNaive):
@@ -193,7 +189,7 @@ def saxpy_chain(x: torch.Tensor, y: torch.Tensor, n_links: int, *, shared: bool)
     ``shared=False`` Warp uses its own stream, so every hand-over must synchronise: PyTorch's
     stream before Warp reads, Warp's stream before PyTorch reads.
     """
-    wp = _wp()
+    wp = warp()
     saxpy, _, _ = _kernels()
     device = wp.device_from_torch(x.device)
     xs, ys = _plain(x), _plain(y)

@@ -1,4 +1,4 @@
-"""The brute-force reference in plain PyTorch (chapter 1; compiled in chapter 2).
+"""The brute force in plain PyTorch (chapter 1; compiled in chapter 2): the reference.
 
 Every query is compared with every reference point, so time and memory grow as N x M: the
 difference tensor alone is ``(M, N, 3)``. ``chunk_size`` processes the queries in slices of that
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import register
-
-__all__ = ["knn", "knn_aggregate", "radius_aggregate"]
+__all__ = ["knn", "radius_aggregate"]
 
 
 def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor, ...]:
@@ -27,11 +25,11 @@ def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor
 
 def _distances(p_query: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
     # The straightforward form: an (M, N, 3) difference, then its norm. torch.cdist would be
-    # leaner, but this is the code the book starts from and the compiler fuses.
+    # leaner, but this is the code the book starts from and the compiler fuses. Differences of
+    # coordinates, not |a|^2 - 2 a.b + |b|^2, which loses digits far from the origin.
     return (p_query[:, None, :] - p_ref[None, :, :]).norm(dim=-1)
 
 
-@register("knn", "torch")
 def knn(
     p_query: torch.Tensor, p_ref: torch.Tensor, k: int, *, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,37 +52,6 @@ def knn(
     return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
 
 
-def softmax_gather(
-    distances: torch.Tensor, indices: torch.Tensor, feats: torch.Tensor, sigma: float
-) -> torch.Tensor:
-    """Weighted sum of neighbour features, weights ``softmax(-distance / sigma)`` over k.
-
-    Gradients flow to ``feats`` through the gather; distances and indices carry none.
-
-    Returns:
-        ``(M, F)``, same dtype as ``feats``.
-    """
-    weights = torch.softmax(-distances.to(feats.dtype) / sigma, dim=1)
-    return (weights.unsqueeze(-1) * feats[indices]).sum(dim=1)
-
-
-@register("knn_aggregate", "torch")
-def knn_aggregate(
-    p_query: torch.Tensor,
-    p_ref: torch.Tensor,
-    feats: torch.Tensor,
-    k: int,
-    sigma: float,
-    *,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """kNN-weighted aggregation of ``feats`` (N, F) onto the queries; returns ``(M, F)``."""
-    with torch.no_grad():
-        distances, indices = knn(p_query, p_ref, k, chunk_size=chunk_size)
-    return softmax_gather(distances, indices, feats, sigma)
-
-
-@register("radius_aggregate", "torch")
 def radius_aggregate(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,

@@ -1,0 +1,48 @@
+"""One training step of the running example: zero_grad, forward, MSE, backward, Adam (chapter 1).
+
+The timing protocol (:mod:`~extkernels.timing`) times it, and :mod:`~extkernels.graphs`
+captures it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["make_train_step"]
+
+
+def make_train_step(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    params,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    target: torch.Tensor,
+    lr: float = 1e-3,
+    capturable: bool = False,
+) -> Callable[[], torch.Tensor]:
+    """A closure doing one training step: zero_grad, forward, MSE, backward, Adam step.
+
+    ``model`` may be a compiled module; ``params`` are the parameters Adam updates. With
+    ``capturable``, Adam keeps its step count on the device, so that the step can be captured
+    in a CUDA graph (:mod:`extkernels.graphs`).
+
+    Returns:
+        ``step()`` returning the (detached) loss.
+    """
+    params = list(params)
+    # On a GPU, Adam's fused implementation (one kernel for all parameters) keeps the optimizer
+    # step from dominating the small models of this book; the arithmetic is Adam's either way.
+    fused = bool(params) and all(p.is_cuda for p in params)
+    optimizer = torch.optim.Adam(params, lr=lr, fused=fused or None, capturable=capturable)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(p_query, p_ref), target)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
