@@ -48,6 +48,7 @@ def built_site(tmp_path_factory) -> Path:
     return out / "_build" / "html"
 
 
+@pytest.mark.slow
 def test_website_has_a_page_per_chapter(built_site):
     for f in _toc_files():
         page = built_site / f"{f}.html"
@@ -55,6 +56,7 @@ def test_website_has_a_page_per_chapter(built_site):
         assert "<h1>" in page.read_text(), f"{page} has no title"
 
 
+@pytest.mark.slow
 def test_website_renders_stored_figures(built_site):
     images = list(built_site.rglob("*.png"))
     assert images, "no figure was rendered: are the notebooks' outputs stored?"

@@ -1,5 +1,6 @@
-"""The cuML backend: registration, fake implementation and input checks everywhere; the real
-search where a CUDA GPU with cuML is present."""
+"""What is specific to the ``cuml`` backend: its operator's registration and tracing, and,
+where a CUDA GPU with cuML is present, the ownership of its outputs. The conformance suite
+(tests/test_backends.py) covers exactness, bad inputs, fakes, opcheck and compilation."""
 
 import pytest
 import torch
@@ -7,10 +8,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import extkernels
-from extkernels.ops import cuml_backend
+from extkernels.ops import cuml as cuml_backend
 
 HAS_CUML = cuml_backend.available()
-needs_cuml = pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
 
 
 def test_operator_is_registered_with_the_cudagraph_unsafe_tag():
@@ -29,24 +29,6 @@ def test_fake_implementation_gives_shapes_dtypes_and_device(m, n, k):
     assert (tuple(d.shape), tuple(i.shape)) == ((m, k), (m, k))
     assert (d.dtype, i.dtype) == (torch.float32, torch.int64)
     assert d.device.type == i.device.type == "cuda"
-
-
-@pytest.mark.parametrize(
-    "q_shape, r_shape, k, dtype, error, name",
-    [
-        ((10, 3), (5, 3), 6, torch.float32, ValueError, "k"),
-        ((10, 3), (5, 3), 0, torch.float32, ValueError, "k"),
-        ((10, 2), (5, 3), 1, torch.float32, ValueError, "p_query"),
-        ((10, 3), (0, 3), 1, torch.float32, ValueError, "p_ref"),
-        ((10, 3), (5, 3), 1, torch.float64, TypeError, "p_query"),
-    ],
-)
-def test_fake_implementation_rejects_bad_input(q_shape, r_shape, k, dtype, error, name):
-    # The fake runs the real operator's metadata checks, so a compiled caller fails at trace time.
-    with FakeTensorMode(), pytest.raises(error, match=f"^{name}:"):
-        torch.ops.cuml.knn(
-            torch.empty(q_shape, dtype=dtype, device="cuda"), torch.empty(r_shape, device="cuda"), k
-        )
 
 
 def test_operator_traces_as_one_opaque_node():
@@ -71,15 +53,8 @@ def test_backend_rejects_cpu_tensors():
         extkernels.knn(p_query, p_ref, 3, backend="cuml")
 
 
-@needs_cuml
-def test_search_matches_the_kd_tree():
-    p_ref = extkernels.reference_cloud(5_000, device="cuda")
-    p_query = extkernels.query_grid(8, device="cuda")
-    distances, indices = extkernels.knn(p_query, p_ref, 7, backend="cuml")
-    assert extkernels.reference.validate_knn(p_query, p_ref, distances, indices, 7, atol=1e-3)
-
-
-@needs_cuml
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
 def test_outputs_are_fresh_tensors_owned_by_pytorch():
     p_ref = extkernels.reference_cloud(500, device="cuda")
     p_query = extkernels.query_grid(4, device="cuda")
@@ -89,20 +64,35 @@ def test_outputs_are_fresh_tensors_owned_by_pytorch():
     assert indices.untyped_storage().data_ptr() not in inputs
 
 
-@needs_cuml
-def test_opcheck():
-    p_ref = extkernels.reference_cloud(2_000, device="cuda")
-    p_query = extkernels.query_grid(6, device="cuda")
-    torch.library.opcheck(torch.ops.cuml.knn.default, (p_query, p_ref, 7))
+def test_centring_keeps_every_distance():
+    p_ref = extkernels.reference_cloud(200) + 1000.0
+    p_query = extkernels.query_grid(3) + 1000.0
+    q, r = cuml_backend.ops.centred(p_query, p_ref)
+    assert r.mean(dim=0).abs().max() < 1e-3
+    # differences of nearby float32 numbers are exact: the centred clouds differ by the same
+    torch.testing.assert_close(q[:, None] - r[None], p_query[:, None] - p_ref[None], rtol=0, atol=0)
 
 
-@needs_cuml
-def test_projector_compiles_without_graph_break():
-    p_ref = extkernels.reference_cloud(2_000, device="cuda")
-    p_query = extkernels.query_grid(6, device="cuda")
-    model = extkernels.Projector(extkernels.KnnAggregation(backend="cuml")).cuda()
-    explanation = torch._dynamo.explain(model)(p_query, p_ref)
-    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
-    torch.testing.assert_close(
-        torch.compile(model, fullgraph=True)(p_query, p_ref), model(p_query, p_ref)
+def test_exact_distances_sort_the_neighbours_found():
+    p_ref, p_query = extkernels.reference_cloud(50), extkernels.query_grid(3)
+    found = torch.stack(
+        [
+            torch.randperm(50, generator=torch.Generator().manual_seed(i))[:6]
+            for i in range(p_query.shape[0])
+        ]
     )
+    d, i = cuml_backend.ops.exact_distances(p_query, p_ref, found)
+    assert bool((d[:, 1:] >= d[:, :-1]).all())
+    assert all(set(a) == set(b) for a, b in zip(i.tolist(), found.tolist(), strict=True))
+    torch.testing.assert_close(d, (p_query[:, None] - p_ref[i]).norm(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
+def test_direct_call_is_exact_far_from_the_origin_too():
+    p_ref = extkernels.reference_cloud(20_000, device="cuda") + 1000.0
+    p_query = extkernels.query_grid(10, device="cuda") + 1000.0
+    d, i = extkernels.knn(p_query, p_ref, 7, backend="cuml", as_op=False)
+    d_ref, i_ref = extkernels.knn(p_query, p_ref, 7)
+    torch.testing.assert_close(d, d_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(i.sort(dim=1).values, i_ref.sort(dim=1).values)

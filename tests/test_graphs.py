@@ -10,11 +10,13 @@ import torch
 import extkernels
 from extkernels import graphs, variants
 from extkernels.models import Projector, RadiusAggregation
-from extkernels.ops import warp_backend as wb
-from extkernels.timing import make_train_step
+from extkernels.ops import warp as wb
+from extkernels.ops.warp import grids
+from extkernels.training import make_train_step
 
 pytestmark = pytest.mark.skipif(not wb.available(), reason="warp-lang is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 
 N_REF = 2000
 GRID_SIDE = 8
@@ -25,8 +27,8 @@ HIDDEN = 25
 
 def test_descriptor_layout_is_the_one_copied():
     # Raises when Warp's grid descriptor no longer ends with the cell width at the copied size.
-    wb._check_descriptor_layout.cache_clear()
-    wb._check_descriptor_layout()
+    grids.check_descriptor_layout.cache_clear()
+    grids.check_descriptor_layout()
 
 
 def test_rejects_no_warmup():
@@ -60,6 +62,7 @@ def eager_forward(model, p_query, p_ref):
         return model(p_query, p_ref)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_replay_recomputes_on_new_points():
     model = projector()
@@ -78,6 +81,7 @@ def test_replay_recomputes_on_new_points():
     assert not torch.allclose(first, second)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_replay_survives_other_grids():
     # Warp copies a grid's descriptor from one host variable shared by all grids; a replay
@@ -95,6 +99,7 @@ def test_replay_survives_other_grids():
     torch.testing.assert_close(forward(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_captured_grids_belong_to_the_graph(capfd):
     model = projector()
@@ -102,15 +107,16 @@ def test_captured_grids_belong_to_the_graph(capfd):
     step = graphs.captured_train_step(model, model.parameters(), p_query, p_ref, target)
     # The capture was registered with Warp: no scratch buffer left behind outside the graph.
     assert "unregistered graph capture" not in capfd.readouterr().err
-    kept = [g for g in step.kept if isinstance(g, wb._warp().HashGrid)]
+    kept = [g for g in step.kept if isinstance(g, grids.Grid)]
     assert len(kept) == 1 and kept[0].captured
     with torch.cuda.stream(step.stream):  # eager calls on the capture stream take spare grids
         for _ in range(3):
             make_train_step(model, model.parameters(), p_query, p_ref, target)()
     torch.cuda.synchronize()
-    assert all(g is not kept[0] for spare in wb._spare.values() for g in spare)
+    assert all(g is not kept[0] for g in grids.POOL.spare_grids())
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_captured_train_step_trains_like_eager():
     p_query, p_ref, target = data()

@@ -20,6 +20,7 @@ def _tracked_files() -> list[Path]:
     return [ROOT / f for f in out.stdout.split()]
 
 
+@pytest.mark.slow
 def test_ruff_lint_and_format_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     for args in (["check", "src", "tests", "book"], ["format", "--check", "src", "tests"]):

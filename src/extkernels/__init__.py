@@ -1,4 +1,5 @@
-"""Companion package of the book: external GPU kernels as PyTorch custom operators.
+"""Companion package of the book: external GPU kernels as PyTorch custom operators (every
+chapter imports it; chapter 1 introduces it).
 
 Organised by role: :mod:`~extkernels.problem` (device and sizes), :mod:`~extkernels.data`,
 :mod:`~extkernels.models`, :mod:`~extkernels.ops` (one entry point per operation, one backend

@@ -1,4 +1,5 @@
-"""The benchmark command: every variant of the running example, timed by the book's protocol.
+"""The benchmark command: every variant of the running example, timed by the book's protocol
+(chapter 1 introduces it; every chapter's timing tables come from it).
 
     python -m extkernels.benchmark                    # all variants that run here
     python -m extkernels.benchmark --variants knn/torch,knn/torch+compile --json out.json

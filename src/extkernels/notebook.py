@@ -1,4 +1,5 @@
-"""Helpers for the first cells of every chapter: versions, hardware and showing package code."""
+"""Helpers for the first cells of every chapter (chapter 1 onward): versions, hardware and
+showing package code."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Plots of the book, all from timing DataFrames (see :mod:`extkernels.timing`).
+"""Plots of the book, all from timing DataFrames (chapter 1 onward; see
+:mod:`extkernels.timing`).
 
 Every figure names the hardware it was measured on in its title, so a reader never has to guess.
 """

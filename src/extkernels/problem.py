@@ -1,4 +1,5 @@
-"""Device and problem sizes, chosen once for the whole book (every chapter's first cells).
+"""Device and problem sizes, chosen once for the whole book (chapter 1 onward: every chapter's
+first cells).
 
 On a CUDA machine the sizes are the ones the book's figures are measured at: a reference cloud
 of 100,000 points for the kNN projector, 25,000 for the radius projector, and a 30^3 query grid.

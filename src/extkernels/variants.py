@@ -1,4 +1,5 @@
-"""Every version of the running example, as the benchmark command and the chapters run them.
+"""Every version of the running example, as the benchmark command and the chapters run them
+(chapter 1 onward; each variant names the chapter that introduces it).
 
 A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and whether it is
 compiled; :meth:`Variant.build` makes the model and data at a :class:`~extkernels.Problem`'s

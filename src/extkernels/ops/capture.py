@@ -1,4 +1,4 @@
-"""What a captured CUDA graph needs kept alive, beyond PyTorch's tensors.
+"""What a captured CUDA graph needs kept alive, beyond PyTorch's tensors (chapter 7).
 
 A CUDA graph replays kernels with the pointers they had at capture. PyTorch keeps the memory of
 tensors allocated during capture in the graph's private pool, but objects of other libraries

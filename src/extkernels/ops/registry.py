@@ -9,7 +9,7 @@ and its implementation of each operation it provides. A kNN backend writes only 
 that the conformance suite (``tests/test_backends.py``) runs ``opcheck`` on them: a new
 backend gets the suite by registering.
 
-Compiled extensions (chapter 9's CUDA C++) keep their sources inside their backend's folder
+Compiled extensions (a CUDA C++ backend) keep their sources inside their backend's folder
 (``ops/<backend>/csrc/``) and are built just in time, on first use, into PyTorch's extension
 cache (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache/torch_extensions``), never into
 the source tree: a checkout stays clean and every machine builds for its own GPU.

@@ -175,10 +175,14 @@ class GridPool:
         with self._lock:
             return len(self._cache)
 
-    def spare_count(self) -> int:
-        """Spare grids ready to be rebuilt."""
+    def spare_grids(self) -> list[Grid]:
+        """The spare grids ready to be rebuilt, every device and stream."""
         with self._lock:
-            return sum(len(s) for s in self._spare.values())
+            return [g for spares in self._spare.values() for g in spares]
+
+    def spare_count(self) -> int:
+        """How many spare grids there are."""
+        return len(self.spare_grids())
 
     def clear(self) -> None:
         """Free every grid the pool holds: kept entries, spares and, once their kernels are

@@ -1,0 +1,158 @@
+"""The package's commands, each run in a subprocess as a reader runs it: the benchmark
+command and the execution command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+import torch
+
+from extkernels import variants as V
+
+pytestmark = pytest.mark.slow
+
+
+def _command(*args, cwd, timeout=120, **env):
+    full_env = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ---------------------------------------------------------------- benchmark command
+
+
+@pytest.fixture(scope="module")
+def benchmark_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "out.json"
+    proc = _command(
+        "extkernels.benchmark",
+        "--variants",
+        "knn/torch",
+        "--json",
+        str(out),
+        cwd=tmp,
+        EXTKERNELS_SMALL="1",
+    )
+    return proc, out
+
+
+def test_benchmark_command_exits_zero(benchmark_run):
+    proc, _ = benchmark_run
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_benchmark_command_writes_the_baseline_with_unit_speedup(benchmark_run):
+    _, out = benchmark_run
+    data = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in data["rows"]}
+    assert list(rows) == ["knn/torch"]
+    assert rows["knn/torch"]["forward_speedup"] == 1.0
+    assert rows["knn/torch"]["train_speedup"] == 1.0
+    assert rows["knn/torch"]["forward_ms"] > 0
+
+
+def test_benchmark_command_records_hardware_and_sizes(benchmark_run):
+    _, out = benchmark_run
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["versions"]["torch"] == torch.__version__
+    assert set(meta["sizes"]) == {"n_ref", "n_ref_radius", "n_query"}
+    assert json.loads(out.read_text())["rows"][0]["n_ref"] == meta["sizes"]["n_ref"]
+
+
+def test_benchmark_list_names_every_variant(tmp_path):
+    proc = _command("extkernels.benchmark", "--list", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    assert listed == [v.name for v in V.VARIANTS]
+    assert not (tmp_path / "benchmark.json").exists()
+
+
+# ---------------------------------------------------------------- execute command
+
+
+def _write_notebook(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nb_ok")
+    path = _write_notebook(
+        folder / "ok.ipynb", "1 + 1", "print('hello')", "import os; print(os.getcwd())"
+    )
+    proc = _command("extkernels.execute", str(path), cwd=tmp_path_factory.getbasetemp())
+    return proc, path, folder
+
+
+def test_execute_exits_zero(executed):
+    proc, _, _ = executed
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_execute_stores_execution_counts(executed):
+    _, path, _ = executed
+    nb = nbformat.read(path, as_version=4)
+    assert [cell.execution_count for cell in nb.cells] == [1, 2, 3]
+
+
+def test_execute_stores_outputs(executed):
+    _, path, _ = executed
+    cells = nbformat.read(path, as_version=4).cells
+    assert cells[0].outputs[0]["data"]["text/plain"] == "2"
+    assert cells[1].outputs[0]["text"] == "hello\n"
+
+
+def test_execute_runs_in_the_notebook_folder(executed):
+    _, path, folder = executed
+    cells = nbformat.read(path, as_version=4).cells
+    assert os.path.samefile(cells[2].outputs[0]["text"].strip(), folder)
+
+
+def test_execute_failing_notebook_exits_non_zero_and_leaves_file_unchanged(tmp_path):
+    path = _write_notebook(tmp_path / "bad.ipynb", "x = 1", "raise ValueError('boom')")
+    before = path.read_bytes()
+    proc = _command("extkernels.execute", str(path), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "ValueError" in proc.stderr
+    assert path.read_bytes() == before
+
+
+def test_execute_folder_runs_the_rest_after_a_failure_and_skips_underscored(tmp_path):
+    bad = _write_notebook(tmp_path / "a_bad.ipynb", "raise ValueError('boom')")
+    good = _write_notebook(tmp_path / "b_good.ipynb", "1 + 1")
+    hidden = _write_notebook(tmp_path / "_hidden.ipynb", "1 + 1")
+    bad_before, hidden_before = bad.read_bytes(), hidden.read_bytes()
+    proc = _command("extkernels.execute", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert bad.read_bytes() == bad_before
+    assert hidden.read_bytes() == hidden_before
+    assert nbformat.read(good, as_version=4).cells[0].execution_count == 1
+
+
+def test_execute_rejects_a_path_that_is_not_a_notebook(tmp_path):
+    other = tmp_path / "notes.txt"
+    other.write_text("not a notebook")
+    proc = _command("extkernels.execute", str(other), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "paths:" in proc.stderr
+
+
+def test_execute_runs_the_rest_after_a_cell_timeout(tmp_path):
+    _write_notebook(tmp_path / "a_slow.ipynb", "import time; time.sleep(30)")
+    good = _write_notebook(tmp_path / "b_good.ipynb", "1 + 1")
+    proc = _command("extkernels.execute", str(tmp_path), "--timeout", "1", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert nbformat.read(good, as_version=4).cells[0].execution_count == 1

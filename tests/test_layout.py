@@ -1,0 +1,130 @@
+"""The package's shape: layers that import only downwards, no import circle, small modules,
+and docstrings that name chapters which exist."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PACKAGE = "extkernels"
+MAX_LINES = 400
+#: The experiment layers: what drives the chapters and the benchmark. Library layers (data,
+#: models, ops, training, timing, graphs, profiling, plotting, ...) never import them.
+EXPERIMENTS = ("extkernels.variants", "extkernels.benchmark", "extkernels.experiments")
+#: Imports inside functions, each for a reason: the module imports an optional library.
+LAZY = {("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> list[str]:
+    """The package's modules an ``ImportFrom`` names (``from . import x`` may name modules)."""
+    if node.level:
+        base = module.split(".")
+        if path.name != "__init__.py":
+            base = base[:-1]
+        base = base[: len(base) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+    # ``from pkg import submodule`` depends on the submodule; the package is its parent
+    # anyway. Any other name comes from the package's own __init__.
+    whole = target in MODULES and len(submodules) < len(node.names)
+    return ([target] if whole else []) + submodules
+
+
+def _imports(module: str) -> list[tuple[str, bool]]:
+    """``(imported module of the package, inside a function)`` for every import in ``module``."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    out = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.ImportFrom):
+                out.extend((m, in_function) for m in _resolve(module, path, child))
+            elif isinstance(child, ast.Import):
+                out.extend((a.name, in_function) for a in child.names if a.name in MODULES)
+            visit(child, inner)
+
+    visit(tree, False)
+    return [(m, lazy) for m, lazy in out if m != module]
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _is_experiment(module: str) -> bool:
+    return any(module == e or module.startswith(e + ".") for e in EXPERIMENTS)
+
+
+def test_the_import_graph_has_no_circle():
+    state: dict[str, str] = {}
+
+    def visit(m: str, trail: list[str]) -> None:
+        state[m] = "open"
+        for dep, _ in GRAPH[m]:
+            if state.get(dep) == "open":
+                circle = trail[trail.index(dep) :] + [dep] if dep in trail else [m, dep]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if dep not in state:
+                visit(dep, trail + [dep])
+        state[m] = "done"
+
+    for m in MODULES:
+        if m not in state:
+            visit(m, [m])
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not _is_experiment(m)])
+def test_library_layers_do_not_import_experiments(module):
+    up = [dep for dep, _ in GRAPH[module] if _is_experiment(dep)]
+    assert not up, f"{module} imports the experiment layer: {up}"
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_imports_of_the_package_sit_at_the_top_of_modules(module):
+    hidden = [dep for dep, lazy in GRAPH[module] if lazy and (module, dep) not in LAZY]
+    assert not hidden, f"{module} imports {hidden} inside a function"
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_no_module_is_over_the_line_limit(module):
+    n = len(MODULES[module].read_text().splitlines())
+    assert n <= MAX_LINES, f"{module}: {n} lines (at most {MAX_LINES}: split it by role)"
+
+
+def _chapters() -> set[int]:
+    return {int(p.name[:2]) for p in (ROOT / "book").glob("[0-9][0-9]_*.ipynb")}
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_module_docstring_names_chapters_that_exist(module):
+    doc = ast.get_docstring(ast.parse(MODULES[module].read_text())) or ""
+    named = [int(n) for n in re.findall(r"[Cc]hapters? (\d+)", doc)]
+    named += [int(n) for n in re.findall(r"[Cc]hapters \d+-(\d+)", doc)]
+    assert named, f"{module}: the docstring names no chapter that teaches it"
+    missing = sorted(set(named) - _chapters())
+    assert not missing, f"{module}: names chapters {missing}, which do not exist"
+
+
+def test_no_source_file_names_a_chapter_that_does_not_exist():
+    for path in MODULES.values():
+        for n in re.findall(r"[Cc]hapters? (\d+)", path.read_text()):
+            assert int(n) in _chapters(), f"{path.relative_to(ROOT)}: chapter {n} does not exist"

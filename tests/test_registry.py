@@ -1,0 +1,180 @@
+"""Backends as plug-ins (ops.registry), the entry points (ops.dispatch) and the validation
+contract (ops.checks): what holds for every backend, whatever it computes."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+import extkernels
+from extkernels.ops import checks, registry
+from extkernels.ops.torch import brute_force
+
+OPS = ["knn", "knn_aggregate", "radius_aggregate"]
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Backends registered inside a test vanish after it."""
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+
+
+def _inputs():
+    return extkernels.query_grid(3), extkernels.reference_cloud(50), extkernels.features(50, 4)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_torch_backend_is_listed(op):
+    assert "torch" in extkernels.backends(op)
+
+
+def test_backends_of_unknown_op_raises():
+    with pytest.raises(ValueError, match="^op_name:"):
+        extkernels.backends("knn_aggregation")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_unknown_backend_is_rejected(op):
+    p_query, p_ref, feats = _inputs()
+    args = {"knn": (p_query, p_ref, 3)}.get(op, (p_query, p_ref, feats, 0.5, 0.1))
+    if op == "knn_aggregate":
+        args = (p_query, p_ref, feats, 3, 0.1)
+    with pytest.raises(ValueError, match="^backend:"):
+        getattr(extkernels, op)(*args, backend="no-such-backend")
+
+
+def test_a_search_alone_makes_a_knn_aggregate(scratch_registry):
+    # A new kNN backend writes only its search; the aggregation is derived from it.
+    calls = []
+
+    def search(p_query, p_ref, k):
+        calls.append(k)
+        return brute_force.knn(p_query, p_ref, k)
+
+    registry.register(registry.Backend("mine", devices=("cpu",), knn=search))
+    assert "mine" in extkernels.backends("knn_aggregate")
+    assert "mine" not in extkernels.backends("radius_aggregate")
+    p_query, p_ref, feats = _inputs()
+    f = feats.clone().requires_grad_(True)
+    out = extkernels.knn_aggregate(p_query, p_ref, f, 5, 0.1, backend="mine")
+    out.sum().backward()
+    expected = extkernels.knn_aggregate(p_query, p_ref, feats, 5, 0.1)
+    torch.testing.assert_close(out, expected)
+    assert calls == [5] and f.grad is not None and f.grad.abs().sum() > 0
+
+
+def test_operators_must_name_operations():
+    with pytest.raises(ValueError, match="^operators:"):
+        registry.Backend("bad", knn=brute_force.knn, operators={"search": "x::y"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA lists")
+def test_cuda_only_backends_are_not_listed_without_cuda(scratch_registry):
+    registry.register(registry.Backend("fake-cuda", devices=("cuda",), knn=brute_force.knn))
+    registry.register(registry.Backend("fake-cpu", devices=("cpu",), knn=brute_force.knn))
+    for op in ("knn", "knn_aggregate"):
+        assert "fake-cuda" not in extkernels.backends(op)
+        assert "fake-cpu" in extkernels.backends(op)
+    cuda_only = {b.name for b in registry.registered() if "cpu" not in b.devices}
+    assert not set(extkernels.backends("knn")) & cuda_only
+
+
+def test_cuda_only_backend_refuses_cpu_tensors(scratch_registry):
+    registry.register(registry.Backend("fake-cuda", devices=("cuda",), knn=brute_force.knn))
+    p_query, p_ref, _ = _inputs()
+    with pytest.raises(ValueError, match="^backend: 'fake-cuda' runs on cuda"):
+        extkernels.knn(p_query, p_ref, 3, backend="fake-cuda")
+
+
+def test_unavailable_backend_is_not_listed_and_refuses_to_run(scratch_registry):
+    registry.register(
+        registry.Backend("absent", devices=("cpu",), available=lambda: False, knn=brute_force.knn)
+    )
+    assert "absent" not in extkernels.backends("knn")
+    p_query, p_ref, _ = _inputs()
+    with pytest.raises(RuntimeError, match="^backend: 'absent' is not available"):
+        extkernels.knn(p_query, p_ref, 3, backend="absent")
+
+
+# ---------------------------------------------------------------- value checks
+
+
+@pytest.fixture
+def isfinite_calls(monkeypatch):
+    calls = []
+    real = torch.isfinite
+
+    def counting(t):
+        calls.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(torch, "isfinite", counting)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["torch", "warp"])
+def test_values_are_checked_once_per_call(backend, isfinite_calls):
+    if backend not in extkernels.backends("radius_aggregate"):
+        pytest.skip(f"{backend} cannot run here")
+    p_query, p_ref, feats = _inputs()
+    extkernels.radius_aggregate(p_query, p_ref, feats, 0.5, 0.1, backend=backend)
+    assert isfinite_calls == [tuple(p_query.shape), tuple(p_ref.shape)]
+
+
+def test_value_checks_can_be_switched_off(isfinite_calls):
+    p_query, p_ref, feats = _inputs()
+    with checks.value_checks(False):
+        extkernels.knn_aggregate(p_query, p_ref, feats, 3, 0.1)
+    assert isfinite_calls == []
+    extkernels.knn_aggregate(p_query, p_ref, feats, 3, 0.1)
+    assert len(isfinite_calls) == 2
+
+
+@pytest.mark.parametrize("bad", ["p_query", "p_ref"])
+def test_one_check_names_the_cloud_that_is_not_finite(bad):
+    clouds = dict(zip(["p_query", "p_ref"], _inputs()[:2], strict=True))
+    clouds[bad][2, 1] = math.nan
+    with pytest.raises(ValueError, match=f"^{bad}: expected finite coordinates"):
+        checks.check_knn(clouds["p_query"], clouds["p_ref"], 3)
+    checks.check_knn(clouds["p_query"], clouds["p_ref"], 3, values=False)  # metadata only
+
+
+def test_call_checked_skips_value_checks_on_its_own_thread_only():
+    p_query, p_ref, _ = _inputs()
+    bad = p_ref.clone()
+    bad[0, 0] = math.inf
+    seen = {}
+
+    def other_thread():
+        try:
+            checks.check_knn(p_query, bad, 3)
+        except ValueError as e:
+            seen["other"] = str(e)
+
+    def inner():
+        checks.check_knn(p_query, bad, 3)  # trusted: the caller checked
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        return "ran"
+
+    assert checks.call_checked(inner) == "ran"
+    assert seen["other"].startswith("p_ref: expected finite")
+    with pytest.raises(ValueError, match="^p_ref:"):  # and the flag is gone afterwards
+        checks.check_knn(p_query, bad, 3)
+
+
+def test_grad_out_contract():
+    p_query, _, feats = _inputs()
+    good = torch.zeros(p_query.shape[0], feats.shape[1])
+    assert checks.check_grad_out(good, p_query, feats) is good
+    for bad, error in [
+        (good.double(), TypeError),
+        (good[:, :-1].contiguous(), ValueError),
+        (good.T.contiguous().T, ValueError),
+        (good.to("meta"), ValueError),
+        (good.numpy(), TypeError),
+    ]:
+        with pytest.raises(error, match="^grad_out:"):
+            checks.check_grad_out(bad, p_query, feats)
