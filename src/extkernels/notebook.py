@@ -76,5 +76,7 @@ def show_source(obj) -> object:
     """The source code of a package function or class, rendered as a highlighted block."""
     from IPython.display import Code
 
-    # A torch.library custom operator keeps the decorated Python function as _init_fn.
-    return Code(inspect.getsource(getattr(obj, "_init_fn", obj)), language="python")
+    # A torch.library custom operator keeps the decorated Python function as _init_fn, a Warp
+    # kernel or function as func.
+    fn = getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj
+    return Code(inspect.getsource(fn), language="python")
