@@ -70,7 +70,9 @@ class Grid:
         if self.descriptor is None:
             self.descriptor = torch.empty(GRID_DESCRIPTOR_BYTES, dtype=torch.uint8, device=device)
             self.descriptor_views = tuple(
-                wp.array(ptr=p, dtype=wp.uint8, shape=(GRID_DESCRIPTOR_BYTES,), device=device)
+                wp.array(
+                    ptr=p, dtype=wp.uint8, shape=(GRID_DESCRIPTOR_BYTES,), device=self.grid.device
+                )
                 for p in (self.descriptor.data_ptr(), self.grid.id)
             )
         wp.copy(*self.descriptor_views)
