@@ -25,6 +25,7 @@ SIGMA = 0.1
 RADIUS = 0.3
 N_REF = 600
 N_FEATS = 5
+OPS = ["knn", "knn_aggregate", "radius_aggregate"]
 
 
 def cases(op: str) -> list:
@@ -47,6 +48,16 @@ def operator_cases(op: str) -> list:
     """Like :func:`cases`, for backends that implement ``op`` with a custom operator."""
     named = {b.name for b in registry.registered() if b.operators.get(op)}
     return [p for p in cases(op) if p.values[0] in named]
+
+
+def per_op(ops: list[str], source=None) -> list:
+    """``source(op)`` parameters (default :func:`cases`) for every op, with ``op`` first."""
+    source = source or cases
+    return [
+        pytest.param(op, *p.values, marks=p.marks, id=f"{op}-{p.id}")
+        for op in ops
+        for p in source(op)
+    ]
 
 
 # ---------------------------------------------------------------- clouds
@@ -165,38 +176,30 @@ def test_knn_is_exact(backend, device, cloud):
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)
-@pytest.mark.parametrize("backend, device", cases("knn_aggregate"))
-def test_knn_aggregate_and_gradient_are_exact(backend, device, cloud):
+@pytest.mark.parametrize("op, backend, device", per_op(["knn_aggregate", "radius_aggregate"]))
+def test_aggregation_and_its_gradient_are_exact(op, backend, device, cloud):
     p_query, p_ref = _cloud(cloud)
     feats = smooth_feats(p_ref)
     grad_out = torch.randn(len(p_query), N_FEATS, generator=_generator(3))
     f = feats.clone().to(device).requires_grad_(True)
     q, r, g = _on(device, p_query, p_ref, grad_out)
-    out = extkernels.knn_aggregate(q, r, f, K, SIGMA, backend=backend)
+    if op == "knn_aggregate":
+        out = extkernels.knn_aggregate(q, r, f, K, SIGMA, backend=backend)
+        w = knn_weights(p_query, p_ref, K, SIGMA)
+        atol = aggregate_tolerance(knn_reference(p_query, p_ref, K)[0].max())
+        # which of two copies of a point is the k-th neighbour is a tie-break, not a result
+        rows = lambda grad: group_rows(grad, p_ref)  # noqa: E731
+    else:
+        out = extkernels.radius_aggregate(q, r, f, RADIUS, SIGMA, backend=backend)
+        w = radius_weights(p_query, p_ref, RADIUS, SIGMA)
+        atol = aggregate_tolerance(RADIUS)
+        rows = lambda grad: grad  # noqa: E731
     out.backward(g)
-    w = knn_weights(p_query, p_ref, K, SIGMA)
-    atol = aggregate_tolerance(knn_reference(p_query, p_ref, K)[0].max())
     np.testing.assert_allclose(out.detach().cpu().double(), w @ feats.double().numpy(), atol=atol)
-    expected = group_rows(w.T @ grad_out.double().numpy(), p_ref)
-    got = group_rows(f.grad.cpu().double().numpy(), p_ref)
-    np.testing.assert_allclose(got, expected, atol=atol)
-
-
-@pytest.mark.parametrize("cloud", CLOUDS)
-@pytest.mark.parametrize("backend, device", cases("radius_aggregate"))
-def test_radius_aggregate_and_gradient_are_exact(backend, device, cloud):
-    p_query, p_ref = _cloud(cloud)
-    feats = smooth_feats(p_ref)
-    grad_out = torch.randn(len(p_query), N_FEATS, generator=_generator(3))
-    f = feats.clone().to(device).requires_grad_(True)
-    q, r, g = _on(device, p_query, p_ref, grad_out)
-    out = extkernels.radius_aggregate(q, r, f, RADIUS, SIGMA, backend=backend)
-    out.backward(g)
-    w = radius_weights(p_query, p_ref, RADIUS, SIGMA)
-    np.testing.assert_allclose(out.detach().cpu().double(), w @ feats.double().numpy(), atol=1e-5)
-    np.testing.assert_allclose(f.grad.cpu().double(), w.T @ grad_out.double().numpy(), atol=1e-5)
-    empty = w.sum(axis=1) == 0
-    assert torch.equal(out.detach().cpu()[torch.from_numpy(empty)], torch.zeros(empty.sum(), 5))
+    expected = rows(w.T @ grad_out.double().numpy())
+    np.testing.assert_allclose(rows(f.grad.cpu().double().numpy()), expected, atol=atol)
+    empty = torch.from_numpy(w.sum(axis=1) == 0)  # queries without neighbour: exact zeros
+    assert torch.equal(out.detach().cpu()[empty], torch.zeros(int(empty.sum()), N_FEATS))
 
 
 @pytest.mark.parametrize("backend, device", cases("knn"))
@@ -208,8 +211,6 @@ def test_knn_with_k_equal_to_the_cloud(backend, device):
 
 
 # ---------------------------------------------------------------- bad inputs
-
-OPS = ["knn", "knn_aggregate", "radius_aggregate"]
 
 
 def _valid(device):
@@ -352,15 +353,10 @@ def test_radius_aggregate_entry_point_rejects(backend, device, make, error, fake
         extkernels.radius_aggregate(*args, backend=backend)
 
 
-def _operator_params() -> list:
-    return [
-        pytest.param(op, *p.values, marks=p.marks, id=f"{op}-{p.id}")
-        for op in OPS
-        for p in _bad_params(op, operators=True)
-    ]
-
-
-@pytest.mark.parametrize("op, backend, device, make, error, fake", _operator_params())
+@pytest.mark.parametrize(
+    "op, backend, device, make, error, fake",
+    per_op(OPS, lambda op: _bad_params(op, operators=True)),
+)
 def test_custom_operator_rejects(op, backend, device, make, error, fake):
     # Called directly, without the entry point's checks in front of it.
     args, name = make(_valid(device))
@@ -368,7 +364,10 @@ def test_custom_operator_rejects(op, backend, device, make, error, fake):
         _operator(backend, op)(*args)
 
 
-@pytest.mark.parametrize("op, backend, device, make, error, fake", _operator_params())
+@pytest.mark.parametrize(
+    "op, backend, device, make, error, fake",
+    per_op(OPS, lambda op: _bad_params(op, operators=True)),
+)
 def test_fake_implementation_rejects(op, backend, device, make, error, fake):
     # The fake runs the operator's metadata checks (device included): a compiled caller
     # fails at trace time. Values are not a fake's business: it never sees them.
@@ -391,30 +390,14 @@ def _example(op: str, device: str) -> tuple:
     return _args(op, inputs, k=K, radius=RADIUS, sigma=SIGMA)
 
 
-def _opcheck_params() -> list:
-    return [
-        pytest.param(op, *p.values, marks=p.marks, id=f"{op}-{p.id}")
-        for op in OPS
-        for p in operator_cases(op)
-    ]
-
-
-@pytest.mark.parametrize("op, backend, device", _opcheck_params())
+@pytest.mark.parametrize("op, backend, device", per_op(OPS, operator_cases))
 def test_opcheck(op, backend, device):
     # All of opcheck's tests: schema, autograd registration, fake tensor, AOT dispatch with
     # dynamic shapes.
     torch.library.opcheck(_operator(backend, op), _example(op, device))
 
 
-def _compile_params() -> list:
-    return [
-        pytest.param(op, *p.values, marks=p.marks, id=f"{op}-{p.id}")
-        for op in OPS
-        for p in cases(op)
-    ]
-
-
-@pytest.mark.parametrize("op, backend, device", _compile_params())
+@pytest.mark.parametrize("op, backend, device", per_op(OPS))
 def test_compiles_with_fullgraph_and_matches_eager(op, backend, device):
     torch._dynamo.reset()
     args = _example(op, device)

@@ -186,6 +186,12 @@ def _clouds(p_query: object, p_ref: object) -> None:
     check_same_device(p_query=p_query, p_ref=p_ref)
 
 
+def _clouds_and_feats(p_query: object, p_ref: object, feats: object) -> None:
+    _clouds(p_query, p_ref)
+    check_feats(feats, p_ref.shape[0])
+    check_same_device(p_ref=p_ref, feats=feats)
+
+
 def check_knn(p_query: object, p_ref: object, k: object, *, values: bool | None = None) -> int:
     """The arguments of ``knn``: two clouds on one device, ``1 <= k <= N``. Returns ``k``."""
     _clouds(p_query, p_ref)
@@ -204,9 +210,7 @@ def check_knn_aggregate(
     values: bool | None = None,
 ) -> tuple[int, float]:
     """The arguments of ``knn_aggregate``. Returns ``(k, sigma)``."""
-    _clouds(p_query, p_ref)
-    check_feats(feats, p_ref.shape[0])
-    check_same_device(p_ref=p_ref, feats=feats)
+    _clouds_and_feats(p_query, p_ref, feats)
     k = check_k(k, p_ref.shape[0])
     sigma = check_positive("sigma", sigma)
     check_finite(values, p_query=p_query, p_ref=p_ref)
@@ -223,9 +227,7 @@ def check_radius_aggregate(
     values: bool | None = None,
 ) -> tuple[float, float]:
     """The arguments of ``radius_aggregate``. Returns ``(radius, sigma)``."""
-    _clouds(p_query, p_ref)
-    check_feats(feats, p_ref.shape[0])
-    check_same_device(p_ref=p_ref, feats=feats)
+    _clouds_and_feats(p_query, p_ref, feats)
     radius = check_positive("radius", radius)
     sigma = check_positive("sigma", sigma)
     check_finite(values, p_query=p_query, p_ref=p_ref)

@@ -100,48 +100,22 @@ def _forward_fake(
     return p_query.new_empty((p_query.shape[0], feats.shape[1]))
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate", mutates_args=(), device_types=("cpu", "cuda"), tags=CUDAGRAPH_UNSAFE
-)
-def radius_aggregate_op(
-    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
-) -> torch.Tensor:
-    """Radius-bounded aggregation by Warp's hash grid, as a PyTorch operator whose backward is
-    Warp's adjoint of the forward kernel (``warp::radius_aggregate_backward``).
+def _define_forward(name: str, backward: Any, doc: str) -> Any:
+    """One forward operator: the custom op, its fake right beneath it, its autograd next to
+    it (the backward formula calls the operator ``backward``)."""
 
-    Args:
-        p_query: ``(M, 3)`` float32, contiguous, finite.
-        p_ref: ``(N, 3)`` float32, contiguous, finite, on the same device.
-        feats: ``(N, F)`` float32, contiguous, on the same device.
-        radius: neighbourhood radius, > 0 (also the grid's cell width).
-        sigma: weight length scale, > 0.
+    def forward(
+        p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+    ) -> torch.Tensor:
+        return _forward(p_query, p_ref, feats, radius, sigma)
 
-    Returns:
-        ``(M, F)`` float32: ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]``
-        over ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready on
-        PyTorch's current stream. Keeps the hash grid in the pool for the backward.
-    """
-    return _forward(p_query, p_ref, feats, radius, sigma)
-
-
-radius_aggregate_op.register_fake(_forward_fake)
-
-
-@torch.library.custom_op(
-    "warp::radius_aggregate_manual",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
-)
-def radius_aggregate_manual_op(
-    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
-) -> torch.Tensor:
-    """The same forward as ``warp::radius_aggregate``, differentiated by the hand-written
-    kernel (``warp::radius_aggregate_backward_manual``). Same arguments and result."""
-    return _forward(p_query, p_ref, feats, radius, sigma)
-
-
-radius_aggregate_manual_op.register_fake(_forward_fake)
+    forward.__doc__ = doc
+    op = torch.library.custom_op(
+        name, forward, mutates_args=(), device_types=("cpu", "cuda"), tags=CUDAGRAPH_UNSAFE
+    )
+    op.register_fake(_forward_fake)
+    op.register_autograd(_autograd_formula(backward), setup_context=_setup_context)
+    return op
 
 
 # ---------------------------------------------------------------- backward
@@ -205,57 +179,25 @@ def _backward_fake(grad_out, p_query, p_ref, feats, radius, sigma) -> torch.Tens
     return torch.empty_like(feats)
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_backward",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
-)
-def radius_aggregate_backward_op(
-    grad_out: torch.Tensor,
-    p_query: torch.Tensor,
-    p_ref: torch.Tensor,
-    feats: torch.Tensor,
-    radius: float,
-    sigma: float,
-) -> torch.Tensor:
-    """Gradient of ``warp::radius_aggregate`` w.r.t. ``feats``, by Warp's adjoint of the forward
-    kernel (``wp.launch(..., adjoint=True)``).
+def _define_backward(name: str, kind: str, doc: str) -> Any:
+    """One backward operator (its fake right beneath it), computing the gradient by ``kind``."""
 
-    Args:
-        grad_out: ``(M, F)`` float32, contiguous: the gradient of the output.
-        p_query, p_ref, feats, radius, sigma: the forward's arguments.
+    def backward(
+        grad_out: torch.Tensor,
+        p_query: torch.Tensor,
+        p_ref: torch.Tensor,
+        feats: torch.Tensor,
+        radius: float,
+        sigma: float,
+    ) -> torch.Tensor:
+        return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, kind)
 
-    Returns:
-        ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid out of
-        the pool, or builds one.
-    """
-    return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
-
-
-radius_aggregate_backward_op.register_fake(_backward_fake)
-
-
-@torch.library.custom_op(
-    "warp::radius_aggregate_backward_manual",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
-)
-def radius_aggregate_backward_manual_op(
-    grad_out: torch.Tensor,
-    p_query: torch.Tensor,
-    p_ref: torch.Tensor,
-    feats: torch.Tensor,
-    radius: float,
-    sigma: float,
-) -> torch.Tensor:
-    """The same gradient as ``warp::radius_aggregate_backward``, by the hand-written scatter
-    kernel (``feats`` gives only the output's shape). Returns ``(N, F)`` float32."""
-    return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "manual")
-
-
-radius_aggregate_backward_manual_op.register_fake(_backward_fake)
+    backward.__doc__ = doc
+    op = torch.library.custom_op(
+        name, backward, mutates_args=(), device_types=("cpu", "cuda"), tags=CUDAGRAPH_UNSAFE
+    )
+    op.register_fake(_backward_fake)
+    return op
 
 
 # ---------------------------------------------------------------- autograd
@@ -286,13 +228,51 @@ def _autograd_formula(backward_op):
     return backward
 
 
-torch.library.register_autograd(
-    "warp::radius_aggregate",
-    _autograd_formula(torch.ops.warp.radius_aggregate_backward),
-    setup_context=_setup_context,
+# ---------------------------------------------------------------- the four operators
+
+_FORWARD_DOC = """Radius-bounded aggregation by Warp's hash grid, as a PyTorch operator.
+
+Args:
+    p_query: ``(M, 3)`` float32, contiguous, finite.
+    p_ref: ``(N, 3)`` float32, contiguous, finite, on the same device.
+    feats: ``(N, F)`` float32, contiguous, on the same device.
+    radius: neighbourhood radius, > 0 (also the grid's cell width).
+    sigma: weight length scale, > 0.
+
+Returns:
+    ``(M, F)`` float32: ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]``
+    over ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready on
+    PyTorch's current stream. Keeps the hash grid in the pool for the backward, which is
+    {backward}.
+"""
+_BACKWARD_DOC = """Gradient of the forward operator w.r.t. ``feats``, by {how}.
+
+Args:
+    grad_out: ``(M, F)`` float32, contiguous: the gradient of the output.
+    p_query, p_ref, feats, radius, sigma: the forward's arguments.
+
+Returns:
+    ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid out of
+    the pool, or builds one.
+"""
+
+radius_aggregate_backward_op = _define_backward(
+    "warp::radius_aggregate_backward",
+    "adjoint",
+    _BACKWARD_DOC.format(how="Warp's adjoint of the forward kernel (``adjoint=True``)"),
 )
-torch.library.register_autograd(
+radius_aggregate_backward_manual_op = _define_backward(
+    "warp::radius_aggregate_backward_manual",
+    "manual",
+    _BACKWARD_DOC.format(how="the hand-written scatter kernel"),
+)
+radius_aggregate_op = _define_forward(
+    "warp::radius_aggregate",
+    radius_aggregate_backward_op,
+    _FORWARD_DOC.format(backward="Warp's adjoint (``warp::radius_aggregate_backward``)"),
+)
+radius_aggregate_manual_op = _define_forward(
     "warp::radius_aggregate_manual",
-    _autograd_formula(torch.ops.warp.radius_aggregate_backward_manual),
-    setup_context=_setup_context,
+    radius_aggregate_backward_manual_op,
+    _FORWARD_DOC.format(backward="hand-written (``warp::radius_aggregate_backward_manual``)"),
 )
