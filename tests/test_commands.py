@@ -38,6 +38,8 @@ def benchmark_run(tmp_path_factory):
         "extkernels.benchmark",
         "--variants",
         "knn/torch",
+        "--repeats",
+        "2",
         "--json",
         str(out),
         cwd=tmp,
@@ -67,6 +69,17 @@ def test_benchmark_command_records_hardware_and_sizes(benchmark_run):
     assert meta["versions"]["torch"] == torch.__version__
     assert set(meta["sizes"]) == {"n_ref", "n_ref_radius", "n_query"}
     assert json.loads(out.read_text())["rows"][0]["n_ref"] == meta["sizes"]["n_ref"]
+
+
+def test_benchmark_command_records_every_run_and_the_spread(benchmark_run):
+    _, out = benchmark_run
+    data = json.loads(out.read_text())
+    assert data["meta"]["repeats"] == 2 and data["meta"]["date"]
+    runs = [r["forward_ms"] for r in data["runs"]]
+    row = data["rows"][0]
+    assert len(runs) == 2 and row["repeats"] == 2
+    assert (row["forward_min"], row["forward_max"]) == (min(runs), max(runs))
+    assert row["forward_min"] <= row["forward_ms"] <= row["forward_max"]
 
 
 def test_benchmark_list_names_every_variant(tmp_path):

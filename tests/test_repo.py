@@ -56,3 +56,60 @@ def test_committed_files_are_small():
         if f.exists() and f.stat().st_size > MAX_FILE_BYTES
     ]
     assert not big, f"files over {MAX_FILE_BYTES // 2**20} MiB: {big}"
+
+
+# ---------------------------------------------------------------- requirements
+
+#: CUDA major of the default PyPI wheel of packages whose name does not say it (Linux x86-64):
+#: torch 2.13.0's default wheel is its CUDA 13.0 build, Warp's PyPI wheels are CUDA 13 builds.
+DEFAULT_WHEEL_CUDA = {"torch": 13, "warp-lang": 13}
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    """The requirement lines of a file and of the files it includes with ``-r``."""
+    lines = []
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.startswith(("-r ", "--requirement ")):
+            lines += _requirement_lines(path.parent / line.split(maxsplit=1)[1])
+        elif line:
+            lines.append(line)
+    return lines
+
+
+def cuda_majors(path: Path) -> dict[int, list[str]]:
+    """CUDA major -> the lines of ``path`` (includes followed) that pull a build of it."""
+    import re
+
+    found: dict[int, list[str]] = {}
+    for line in _requirement_lines(path):
+        name = re.split(r"[=<>!~@\[; ]", line, maxsplit=1)[0].lower()
+        majors = {int(m) for m in re.findall(r"(?:-cu|cuda|\+cu|/whl/cu)(\d\d)", line.lower())}
+        majors = {m // 10 if m > 20 else m for m in majors}  # cu128 -> 12, cu12 -> 12
+        if not majors and name in DEFAULT_WHEEL_CUDA:
+            majors = {DEFAULT_WHEEL_CUDA[name]}
+        for m in majors:
+            found.setdefault(m, []).append(line)
+    return found
+
+
+REQUIREMENTS = sorted(ROOT.glob("requirements*.txt"))
+
+
+@pytest.mark.parametrize("path", REQUIREMENTS, ids=lambda p: p.name)
+def test_no_requirements_file_mixes_cuda_majors(path):
+    majors = cuda_majors(path)
+    assert len(majors) <= 1, f"{path.name} mixes CUDA majors: {majors}"
+
+
+def test_each_gpu_requirements_file_is_the_major_it_names():
+    assert set(cuda_majors(ROOT / "requirements-cu12.txt")) == {12}
+    assert set(cuda_majors(ROOT / "requirements-cu13.txt")) == {13}
+    # the CPU file carries no RAPIDS library, so CI installs nothing it cannot use
+    assert not any("cuml" in line for line in _requirement_lines(ROOT / "requirements.txt"))
+
+
+def test_the_mixing_check_sees_a_mixed_file(tmp_path):
+    mixed = tmp_path / "requirements-mixed.txt"
+    mixed.write_text("torch==2.13.0\ncuml-cu12==26.10.*\n")
+    assert set(cuda_majors(mixed)) == {12, 13}

@@ -80,6 +80,22 @@ def test_timings_frame_is_indexed_by_variant():
     assert df.loc["fast", "forward_ms"] == 2.5
 
 
+def test_timings_frame_reports_median_and_spread_of_repeated_runs():
+    rows = [
+        {"variant": "v", "forward_ms": f, "train_ms": t, "first_call_s": c, "hardware": "CPU"}
+        for f, t, c in [(3.0, 30.0, 9.0), (1.0, 10.0, math.nan), (2.0, 50.0, math.nan)]
+    ] + [
+        {"variant": "w", "forward_ms": 4.0, "train_ms": 8.0, "first_call_s": 1.0, "hardware": "CPU"}
+    ]
+    df = timing.timings_frame(rows, baseline="v")
+    v = df.loc["v"]
+    assert (v.forward_ms, v.forward_min, v.forward_max) == (2.0, 1.0, 3.0)
+    assert (v.train_ms, v.train_min, v.train_max) == (30.0, 10.0, 50.0)
+    assert (v.repeats, v.first_call_s, v.hardware) == (3, 9.0, "CPU")
+    assert df.loc["w", "forward_speedup"] == 0.5  # ratios of medians
+    assert (df.loc["w", "forward_min"], df.loc["w", "repeats"]) == (4.0, 1)
+
+
 @pytest.mark.parametrize("baseline", [None, "missing"])
 def test_timings_frame_without_a_present_baseline_has_no_speedups(baseline):
     df = timing.timings_frame(_rows(), baseline=baseline)
@@ -245,7 +261,7 @@ def test_run_all_fresh_runs_every_variant_in_its_own_process(monkeypatch):
             "train_ms": 1.0,
         }
 
-    def fake_isolated(name):
+    def fake_isolated(name, *, cold=True):
         own_process.append(name)
         return [
             {"variant": name, "workload": name.split("/")[0], "forward_ms": 2.0, "train_ms": 2.0}
@@ -259,3 +275,28 @@ def test_run_all_fresh_runs_every_variant_in_its_own_process(monkeypatch):
     assert df["forward_ms"].to_dict() == {"radius/torch": 2.0, "radius/warp": 2.0}
     benchmark.run_all(names, verbose=False)
     assert in_process == names
+
+
+def test_run_all_repeats_every_variant_in_fresh_processes_cold_first(monkeypatch):
+    calls = []
+
+    def fake_isolated(name, *, cold=True):
+        calls.append((name, cold))
+        ms = 1.0 + sum(c[0] == name for c in calls)  # 2, 3, 4 ms for runs 1, 2, 3
+        return [{"variant": name, "workload": "radius", "forward_ms": ms, "train_ms": 2 * ms}]
+
+    monkeypatch.setattr(benchmark, "_run_isolated", fake_isolated)
+    names = ["radius/torch", "radius/warp"]
+    df = benchmark.run_all(names, repeats=3, verbose=False)
+    assert calls == [(n, cold) for n in names for cold in (True, False, False)]
+    assert df.loc[
+        "radius/warp", ["forward_ms", "forward_min", "forward_max", "repeats"]
+    ].tolist() == [
+        3.0,
+        2.0,
+        4.0,
+        3,
+    ]
+    assert len(df.attrs["runs"]) == 6
+    with pytest.raises(ValueError, match="^repeats:"):
+        benchmark.run_all(names, repeats=0, verbose=False)

@@ -1,18 +1,21 @@
 """The benchmark command: every variant of the running example, timed by the book's protocol
 (chapter 1 introduces it; every chapter's timing tables come from it).
 
-    python -m extkernels.benchmark                    # all variants that run here
-    python -m extkernels.benchmark --variants knn/torch,knn/torch+compile --json out.json
+    python -m extkernels.benchmark                    # all variants that run here, 5 runs each
+    python -m extkernels.benchmark --variants knn/torch,knn/torch+compile --repeats 3
 
-Prints one table (forward and training ms per iteration, speedup over the eager brute force of
-the same workload, peak memory, first-call seconds) and writes it as JSON with the hardware and
-versions. Variants flagged ``isolated`` run in a subprocess of their own. Ratios in the table
-come from one run of this command.
+Every variant runs ``--repeats`` times, each in a fresh Python process (a process carries
+everything that ran before it, and host-bound variants pay for it). Prints one table: the
+median forward and training milliseconds per iteration with their spread (min-max over the
+runs), speedups over the eager brute force of the same workload (ratios of medians), peak
+memory and the first call's seconds (compile included, measured cold in the first run).
+Writes it as JSON with the hardware, versions, sizes, date and every run's timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -29,11 +32,13 @@ from .timing import timings_frame
 __all__ = ["run_all", "main"]
 
 
-def _run_isolated(name: str) -> list[dict]:
+def _run_isolated(name: str, *, cold: bool = True) -> list[dict]:
+    """``name`` timed in a fresh Python process; ``cold=False`` lets its first call use the
+    compiler's on-disk caches (and report no first-call time)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "extkernels.benchmark", "--variants", name, "--rows-only", out]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd + ([] if cold else ["--warm-start"]), check=True)
         with open(out) as f:
             return json.load(f)
 
@@ -41,22 +46,27 @@ def _run_isolated(name: str) -> list[dict]:
 def run_all(
     names: list[str] | None = None,
     *,
+    repeats: int = 1,
     isolate: bool = True,
     fresh: bool = False,
     verbose: bool = True,
 ) -> pd.DataFrame:
     """Time the named variants (default: all that can run here) and return the table.
 
-    Variants marked ``isolated`` run in a Python process of their own (unless ``isolate`` is
-    false); with ``fresh``, every variant does. The chapters time with ``fresh=True``: a
-    notebook's process carries everything that ran before, and host-bound variants (whose
-    pace the host's Python sets) would pay for it.
+    With ``repeats > 1`` every variant runs that many times, each in a fresh Python process;
+    the first run measures its first call cold (no compiler cache), the later ones may reuse
+    the caches. With one repeat, variants marked ``isolated`` still run in a process of their
+    own (unless ``isolate`` is false), and with ``fresh`` every variant does. The chapters
+    time with ``repeats=problem().repeats``, as the benchmark command does.
 
     Returns:
-        DataFrame indexed by variant with ``forward_ms``, ``train_ms``, ``forward_speedup``,
-        ``train_speedup`` (over the eager brute force of the same workload), ``peak_mb``,
-        ``first_call_s`` and the sizes.
+        DataFrame indexed by variant (see :func:`~extkernels.timing.timings_frame`): median
+        ``forward_ms`` and ``train_ms`` with ``*_min``/``*_max`` and ``repeats``,
+        ``forward_speedup`` and ``train_speedup`` over the eager brute force of the same
+        workload, ``peak_mb``, ``first_call_s`` and the sizes.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats: expected at least 1 run per variant, got {repeats}")
     prob = problem()
     chosen = [V.get(n) for n in names] if names else [v for v in V.VARIANTS]
     rows = []
@@ -66,8 +76,11 @@ def run_all(
             continue
         if verbose:
             print(f"run  {v.name}", flush=True)
-        own_process = fresh or (v.isolated and isolate)
-        rows += _run_isolated(v.name) if own_process else [V.run(v, prob)]
+        if repeats > 1 or fresh or (v.isolated and isolate):
+            for r in range(repeats):
+                rows += _run_isolated(v.name, cold=r == 0)
+        else:
+            rows.append(V.run(v, prob))
     if not rows:
         raise SystemExit("no chosen variant can run on this machine (see --list)")
     # Speedups within each workload, over its eager brute force.
@@ -78,6 +91,7 @@ def run_all(
             for w in workloads
         ]
     )
+    df.attrs["runs"] = rows  # every run's row, for the JSON record
     return df
 
 
@@ -89,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", default="benchmark.json", help="where to write the table (default: %(default)s)"
     )
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="runs per variant, each in a fresh process"
+    )
     ap.add_argument("--list", action="store_true", help="list the variants and exit")
     ap.add_argument("--rows-only", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.list:
         for v in V.VARIANTS:
@@ -103,22 +121,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows_only:  # child process of an isolated variant
         prob = problem()
         with open(args.rows_only, "w") as f:
-            json.dump([V.run(V.get(n), prob) for n in names], f)
+            json.dump([V.run(V.get(n), prob, cold=not args.warm_start) for n in names], f)
         return 0
-    df = run_all(names)
-    cols = ["forward_ms", "train_ms", "forward_speedup", "train_speedup", "peak_mb", "first_call_s"]
-    with pd.option_context("display.width", 160, "display.float_format", "{:.3f}".format):
+    df = run_all(names, repeats=args.repeats)
+    cols = ["forward_ms", "forward_min", "forward_max", "train_ms", "train_min", "train_max"]
+    cols += ["forward_speedup", "train_speedup", "peak_mb", "first_call_s"]
+    with pd.option_context("display.width", 200, "display.float_format", "{:.3f}".format):
         print(df[[c for c in cols if c in df]].to_string())
     prob = problem()
     meta = {
         "hardware": prob.hardware,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repeats": args.repeats,
         "versions": versions()["version"].to_dict(),
         "sizes": {"n_ref": prob.n_ref, "n_ref_radius": prob.n_ref_radius, "n_query": prob.n_query},
     }
     with open(args.json, "w") as f:
         # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject NaN.
         rows = json.loads(df.reset_index().to_json(orient="records"))
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        runs = json.loads(pd.DataFrame(df.attrs["runs"]).to_json(orient="records"))
+        json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1)
     print(f"wrote {args.json}")
     return 0
 

@@ -17,8 +17,19 @@ __all__ = ["timing_bars", "scaling_plot", "timeline_plot"]
 mpl.rcParams.update({"figure.dpi": 90, "savefig.dpi": 90, "figure.figsize": (7.0, 3.2)})
 
 
+def _spread(df: pd.DataFrame, metric: str):
+    """Error bars from the median to the min and max of repeated runs, or None."""
+    lo, hi = f"{metric}_min", f"{metric}_max"
+    if lo not in df or hi not in df:
+        return None
+    median = df[f"{metric}_ms"]
+    return np.vstack([median - df[lo], df[hi] - median])
+
+
 def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = False):
-    """Grouped horizontal bars of forward and training milliseconds per variant.
+    """Grouped horizontal bars of forward and training milliseconds per variant: medians of
+    repeated runs, with whiskers from the fastest to the slowest run where the frame has
+    them (see :func:`extkernels.timing.timings_frame`).
 
     Args:
         df: indexed by variant, with ``forward_ms`` and ``train_ms`` columns.
@@ -31,19 +42,47 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     fig, ax = plt.subplots(figsize=(7.0, 0.55 * len(df) + 1.2))
     y = np.arange(len(df))
     h = 0.38
-    bars_f = ax.barh(y - h / 2, df["forward_ms"], h, label="forward (no_grad)")
-    bars_t = ax.barh(y + h / 2, df["train_ms"], h, label="training step")
-    for bars in (bars_f, bars_t):
-        ax.bar_label(bars, fmt="%.3g", padding=2, fontsize=8)
+    whiskers = {"capsize": 2, "elinewidth": 0.8, "ecolor": "0.25"}
+    bars_f = ax.barh(
+        y - h / 2,
+        df["forward_ms"],
+        h,
+        xerr=_spread(df, "forward"),
+        error_kw=whiskers,
+        label="forward (no_grad)",
+    )
+    bars_t = ax.barh(
+        y + h / 2,
+        df["train_ms"],
+        h,
+        xerr=_spread(df, "train"),
+        error_kw=whiskers,
+        label="training step",
+    )
+    # Each median labelled just past its bar's whisker (or its end).
+    for offset, metric in ((-h / 2, "forward"), (h / 2, "train")):
+        ends = df.get(f"{metric}_max", df[f"{metric}_ms"])
+        for yi, value, end in zip(y + offset, df[f"{metric}_ms"], ends, strict=True):
+            ax.annotate(
+                f"{value:.3g}",
+                (end, yi),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
     ax.set_yticks(y, df.index)
     ax.invert_yaxis()
     ax.set_xlabel("ms per iteration" + (" (log scale)" if log else ""))
     if log:
         ax.set_xscale("log")
     ax.margins(x=0.15)
-    ax.set_title(f"{title} — {hardware}", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    runs = int(df["repeats"].min()) if "repeats" in df else 1
+    note = f", median of {runs} runs, whiskers min-max" if runs > 1 else ""
+    ax.set_title(f"{title} — {hardware}{note}", fontsize=9)
+    # Below the axes, where it covers no bar.
+    fig.legend(handles=[bars_f, bars_t], loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 

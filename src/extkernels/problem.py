@@ -35,6 +35,7 @@ class Problem:
         hidden: hidden width of both MLPs.
         n_warmup: untimed forward-plus-training iterations before timing.
         n_iters: timed iterations of the forward pass and, separately, of the training step.
+        repeats: runs of every timed variant, each in a fresh process (median and spread).
         seed: seed of the reference cloud and the targets.
     """
 
@@ -49,6 +50,7 @@ class Problem:
     hidden: int = 25
     n_warmup: int = 5
     n_iters: int = 15
+    repeats: int = 5
     seed: int = 0
 
     @property
@@ -97,5 +99,6 @@ def problem() -> Problem:
             radius=0.18,
             n_warmup=1,
             n_iters=3,
+            repeats=2,
         )
     return Problem(device=device, small=False, n_ref=100_000, n_ref_radius=25_000, grid_side=30)

@@ -136,14 +136,28 @@ def time_projector(
 
 
 def timings_frame(rows: list[Timing | dict], baseline: str | None = None) -> pd.DataFrame:
-    """Timing rows as a DataFrame indexed by variant, with speedups over ``baseline``."""
-    df = pd.DataFrame([asdict(r) if isinstance(r, Timing) else r for r in rows]).set_index(
-        "variant"
-    )
-    if baseline is not None and baseline in df.index:
-        df["forward_speedup"] = df.loc[baseline, "forward_ms"] / df["forward_ms"]
-        df["train_speedup"] = df.loc[baseline, "train_ms"] / df["train_ms"]
-    return df
+    """Timing rows as a DataFrame indexed by variant: one row per variant, however many runs.
+
+    Several rows of one variant (repeated runs, each in a fresh process) become their median,
+    with the spread beside it: ``forward_min``/``forward_max`` and ``train_min``/``train_max``
+    (equal to the median for a single run), and ``repeats``. ``first_call_s`` is the first
+    run's that has one (later runs may reuse the compiler's caches and report none).
+    Speedups over ``baseline`` are ratios of medians.
+    """
+    df = pd.DataFrame([asdict(r) if isinstance(r, Timing) else r for r in rows])
+    runs = df.groupby("variant", sort=False)
+    out = runs.first()  # the non-numeric columns (hardware, workload) and first_call_s
+    numeric = [c for c in df.columns if c != "variant" and pd.api.types.is_numeric_dtype(df[c])]
+    medians = runs[[c for c in numeric if c != "first_call_s"]].median()
+    out[medians.columns] = medians
+    for metric in ("forward", "train"):
+        out[f"{metric}_min"] = runs[f"{metric}_ms"].min()
+        out[f"{metric}_max"] = runs[f"{metric}_ms"].max()
+    out["repeats"] = runs.size()
+    if baseline is not None and baseline in out.index:
+        out["forward_speedup"] = out.loc[baseline, "forward_ms"] / out["forward_ms"]
+        out["train_speedup"] = out.loc[baseline, "train_ms"] / out["train_ms"]
+    return out
 
 
 def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:

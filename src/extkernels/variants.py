@@ -9,6 +9,7 @@ backends; a variant whose backend cannot run on this machine is listed but skipp
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,13 +156,14 @@ def baseline_of(variant: Variant) -> str:
     return f"{variant.workload}/torch"
 
 
-def run(variant: Variant, prob: Problem) -> dict:
+def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
     """Build and time one variant by the book's protocol.
 
     Returns:
         A :class:`~extkernels.timing.Timing` as a dict, plus ``workload`` and ``first_call_s``
         (the first training step; for compiled variants it includes compiling the forward and
-        backward graphs from scratch, with inductor's caches disabled).
+        backward graphs from scratch, with inductor's caches disabled). With ``cold=False``
+        the first step may use inductor's caches and ``first_call_s`` is NaN.
     """
     if variant.setup is not None:
         variant.setup()
@@ -171,9 +173,9 @@ def run(variant: Variant, prob: Problem) -> dict:
     with torch.autograd.set_multithreading_enabled(variant.backward_thread):
         first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
         # Inductor's on-disk caches would turn a recompilation into a lookup: measure it cold.
-        with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():
+        with torch._inductor.config.patch(force_disable_caches=cold), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*force_disable_caches")
-            first_s = first_call_seconds(first, prob.device)
+            first_s = first_call_seconds(first, prob.device) if cold else math.nan
         t = time_projector(
             run_model,
             p_query,
