@@ -15,7 +15,9 @@ HAS_CUML = cuml_backend.available()
 
 def test_operator_is_registered_with_the_cudagraph_unsafe_tag():
     op = torch.ops.cuml.knn.default
-    assert str(op._schema).startswith("cuml::knn(Tensor p_query, Tensor p_ref, SymInt k)")
+    assert str(op._schema).startswith(
+        'cuml::knn(Tensor p_query, Tensor p_ref, SymInt k, str algorithm="rbc")'
+    )
     if hasattr(torch.Tag, "cudagraph_unsafe"):
         assert torch.Tag.cudagraph_unsafe in op.tags
 
@@ -89,10 +91,24 @@ def test_exact_distances_sort_the_neighbours_found():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
-def test_direct_call_is_exact_far_from_the_origin_too():
-    p_ref = extkernels.reference_cloud(20_000, device="cuda") + 1000.0
-    p_query = extkernels.query_grid(10, device="cuda") + 1000.0
-    d, i = extkernels.knn(p_query, p_ref, 7, backend="cuml", as_op=False)
-    d_ref, i_ref = extkernels.knn(p_query, p_ref, 7)
+@pytest.mark.parametrize("as_op", [True, False], ids=["operator", "direct"])
+@pytest.mark.parametrize("algorithm", cuml_backend.ALGORITHMS)
+def test_every_algorithm_is_exact_far_from_the_origin(algorithm, as_op):
+    # The book's size, around (1000, 1000, 1000): uncentred, cuML's float32 expanded form
+    # returns a wrong neighbour set for about half of these queries.
+    p_ref = extkernels.reference_cloud(100_000, device="cuda") + 1000.0
+    p_query = extkernels.query_grid(30, device="cuda") + 1000.0
+    d, i = extkernels.knn(p_query, p_ref, 7, backend="cuml", as_op=as_op, algorithm=algorithm)
+    d_ref, i_ref = extkernels.knn(p_query, p_ref, 7, chunk_size=2000)
     torch.testing.assert_close(d, d_ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(i.sort(dim=1).values, i_ref.sort(dim=1).values)
+
+
+def test_an_unknown_algorithm_is_rejected_by_the_fake_and_the_direct_call():
+    with FakeTensorMode(), pytest.raises(ValueError, match="^algorithm: expected one of"):
+        torch.ops.cuml.knn(
+            torch.empty(4, 3, device="cuda"), torch.empty(9, 3, device="cuda"), 3, "ivfpq"
+        )
+    p_query, p_ref = extkernels.query_grid(2), extkernels.reference_cloud(20)
+    with pytest.raises(ValueError, match="^algorithm: expected one of"):
+        cuml_backend.knn_plain(p_query, p_ref, 3, algorithm="approximate")

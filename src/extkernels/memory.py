@@ -16,7 +16,9 @@ import torch
 __all__ = ["use_rmm_pool", "rmm_statistics"]
 
 
-def use_rmm_pool(initial_pool_size: int | None = 2**30, statistics: bool = True) -> None:
+def use_rmm_pool(
+    initial_pool_size: int | None = 2**30, statistics: bool = True, *, pytorch: bool = True
+) -> None:
     """Make one RMM pool the allocator of PyTorch, CuPy and cuML in this process.
 
     Args:
@@ -24,11 +26,14 @@ def use_rmm_pool(initial_pool_size: int | None = 2**30, statistics: bool = True)
         statistics: wrap the pool in RMM's statistics adaptor, which stands in for
             ``torch.cuda.max_memory_allocated`` (PyTorch keeps no statistics for a pluggable
             allocator).
+        pytorch: also make the pool PyTorch's allocator. ``False`` gives the pool to CuPy and
+            cuML only, and PyTorch keeps its caching allocator: two pools, the control that
+            tells a pool for RAPIDS apart from one pool *shared* with PyTorch (chapter 4).
 
     Raises:
         RuntimeError: when PyTorch has already allocated GPU memory in this process.
     """
-    if torch.cuda.is_initialized():
+    if pytorch and torch.cuda.is_initialized():
         raise RuntimeError(
             "use_rmm_pool: CUDA is already initialised in this process, and with it PyTorch's "
             "default allocator; call this first thing, before any tensor is created on the GPU"
@@ -43,7 +48,8 @@ def use_rmm_pool(initial_pool_size: int | None = 2**30, statistics: bool = True)
         rmm.mr.set_current_device_resource(
             rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource())
         )
-    torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+    if pytorch:
+        torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
     cupy.cuda.set_allocator(rmm_cupy_allocator)
 
 

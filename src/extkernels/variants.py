@@ -9,6 +9,7 @@ backends; a variant whose backend cannot run on this machine is listed but skipp
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -115,6 +116,16 @@ VARIANTS: list[Variant] = [
         chapter=4,
         isolated=True,
         setup=use_rmm_pool,
+    ),
+    Variant(
+        "knn/cuml-op+compile+rmm-rapids",
+        "knn",
+        "cuml",
+        compile=True,
+        fullgraph=True,
+        chapter=4,
+        isolated=True,
+        setup=functools.partial(use_rmm_pool, pytorch=False),
     ),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),

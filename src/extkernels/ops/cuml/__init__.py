@@ -2,7 +2,8 @@
 
 The backend registers only its search; ``knn_aggregate`` is the registry's derived one, with
 PyTorch's differentiable gather after the search (neither distances nor indices need a
-gradient). ``as_op=False`` calls cuML directly instead of through ``torch.ops.cuml.knn``.
+gradient). ``as_op=False`` calls cuML directly instead of through ``torch.ops.cuml.knn``;
+``algorithm`` picks cuML's search (``rbc`` unless told otherwise).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import importlib.util
 import torch
 
 from ..registry import Backend, register
-from .ops import knn_op, knn_plain
+from .ops import ALGORITHMS, DEFAULT_ALGORITHM, knn_op, knn_plain
 
-__all__ = ["BACKEND", "available", "knn", "knn_op", "knn_plain"]
+__all__ = ["ALGORITHMS", "BACKEND", "available", "knn", "knn_op", "knn_plain"]
 
 
 def available() -> bool:
@@ -23,12 +24,18 @@ def available() -> bool:
 
 
 def knn(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, *, as_op: bool = True
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    *,
+    as_op: bool = True,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuML kNN through the custom operator (``as_op=True``) or called directly."""
+    """cuML kNN through the custom operator (``as_op=True``) or called directly, with one of
+    cuML's exact searches (``algorithm``, see :data:`ALGORITHMS`)."""
     if as_op:
-        return torch.ops.cuml.knn(p_query, p_ref, k)
-    return knn_plain(p_query, p_ref, k)
+        return torch.ops.cuml.knn(p_query, p_ref, k, algorithm)
+    return knn_plain(p_query, p_ref, k, algorithm)
 
 
 BACKEND = register(

@@ -28,10 +28,22 @@ import torch
 from ..checks import check_knn
 from ..registry import CUDAGRAPH_UNSAFE
 
-__all__ = ["centred", "knn_plain", "knn_op"]
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "centred", "knn_plain", "knn_op"]
+
+#: cuML's exact searches: ``brute`` compares every pair (in the expanded form); ``rbc``, the
+#: random ball cover, prunes with the triangle inequality around sampled landmarks. cuML's
+#: default, ``auto``, picks one by the data's shape; the book names it (chapter 3 times both).
+ALGORITHMS = ("brute", "rbc")
+DEFAULT_ALGORITHM = "rbc"
 
 
-def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int):
+def check_algorithm(algorithm: object) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    return algorithm
+
+
+def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str):
     """cuML's kNN on DLPack views of the inputs; returns cuML-owned CuPy arrays."""
     import cupy
     from cuml.neighbors import NearestNeighbors
@@ -39,7 +51,7 @@ def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int):
     # Zero-copy views: the CuPy arrays point at the tensors' own memory.
     ref = cupy.from_dlpack(p_ref.detach())
     query = cupy.from_dlpack(p_query.detach())
-    nn = NearestNeighbors(n_neighbors=k, output_type="cupy").fit(ref)
+    nn = NearestNeighbors(n_neighbors=k, algorithm=algorithm, output_type="cupy").fit(ref)
     return nn.kneighbors(query, n_neighbors=k, return_distance=True)
 
 
@@ -61,33 +73,37 @@ def exact_distances(
 
 
 def knn_plain(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int
+    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str = DEFAULT_ALGORITHM
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cuML's kNN called directly (no custom operator): ``(M, k)`` float32 distances ascending
     and ``(M, k)`` int64 indices. Breaks the graph of a compiled caller."""
-    _, indices = _search(*centred(p_query, p_ref), k)
+    _, indices = _search(*centred(p_query, p_ref), k, check_algorithm(algorithm))
     return exact_distances(p_query, p_ref, torch.from_dlpack(indices).long())
 
 
 @torch.library.custom_op("cuml::knn", mutates_args=(), device_types="cuda", tags=CUDAGRAPH_UNSAFE)
-def knn_op(p_query: torch.Tensor, p_ref: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def knn_op(
+    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str = DEFAULT_ALGORITHM
+) -> tuple[torch.Tensor, torch.Tensor]:
     """k nearest reference points by cuML, as a PyTorch operator.
 
     Args:
         p_query: ``(M, 3)`` float32 CUDA, contiguous, finite.
         p_ref: ``(N, 3)`` float32 CUDA, contiguous, finite.
         k: ``1 <= k <= N``.
+        algorithm: one of :data:`ALGORITHMS`.
 
     Returns:
         distances ``(M, k)`` float32 ascending, indices ``(M, k)`` int64; fresh tensors owned by
         PyTorch's allocator, ready on the current stream.
     """
     check_knn(p_query, p_ref, k)
+    check_algorithm(algorithm)
     q, r = centred(p_query, p_ref)
     stream = torch.cuda.current_stream(p_query.device)
     # cuML runs on its own stream: the inputs must be complete before it reads them.
     stream.synchronize()
-    _, found = _search(q, r, k)
+    _, found = _search(q, r, k, algorithm)
     indices = torch.empty((p_query.shape[0], k), dtype=torch.int64, device=p_query.device)
     # Copy out of cuML's buffer on PyTorch's stream and wait for the copy, so that the buffer
     # may be freed (and reused by cuML) as soon as this function returns.
@@ -97,8 +113,11 @@ def knn_op(p_query: torch.Tensor, p_ref: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 @knn_op.register_fake
-def _knn_fake(p_query: torch.Tensor, p_ref: torch.Tensor, k: int):
+def _knn_fake(
+    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str = DEFAULT_ALGORITHM
+):
     # The real operator's contract, metadata only: a compiled caller fails at trace time.
     check_knn(p_query, p_ref, k, values=False)
+    check_algorithm(algorithm)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
