@@ -1,9 +1,17 @@
-"""Shared fixtures: one small seeded problem, fast on two CPU cores."""
+"""Shared fixtures: one small seeded problem, fast on two CPU cores, and the built website."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import extkernels
+
+ROOT = Path(__file__).resolve().parents[1]
 
 N_REF = 500
 GRID_SIDE = 6
@@ -36,3 +44,29 @@ def small_problem():
     return extkernels.problem().with_sizes(
         n_ref=300, n_ref_radius=300, grid_side=4, n_warmup=1, n_iters=2
     )
+
+
+def toc_files() -> list[str]:
+    """The book's pages as `_toc.yml` names them: the root, then every chapter's `file:`."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [ch["file"] for ch in part["chapters"]]
+    return files
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory) -> Path:
+    """The website built once per session, strictly (-W -n); returns its html folder."""
+    out = tmp_path_factory.mktemp("site")
+    jb = shutil.which("jupyter-book") or str(Path(sys.executable).with_name("jupyter-book"))
+    result = subprocess.run(
+        [jb, "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, (
+        f"website build failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    )
+    return out / "_build" / "html"

@@ -169,3 +169,17 @@ def test_execute_runs_the_rest_after_a_cell_timeout(tmp_path):
     proc = _command("extkernels.execute", str(tmp_path), "--timeout", "1", cwd=tmp_path)
     assert proc.returncode != 0
     assert nbformat.read(good, as_version=4).cells[0].execution_count == 1
+
+
+def test_benchmark_merge_rebuilds_one_table_from_every_run(benchmark_run, tmp_path):
+    _, out = benchmark_run
+    merged = tmp_path / "merged.json"
+    proc = _command(
+        "extkernels.benchmark", "--merge", str(out), str(out), "--json", str(merged), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    data, once = json.loads(merged.read_text()), json.loads(out.read_text())
+    assert len(data["runs"]) == 2 * len(once["runs"])
+    assert data["rows"][0]["repeats"] == 2 * once["rows"][0]["repeats"]
+    # the same runs twice: the same median
+    assert data["rows"][0]["forward_ms"] == pytest.approx(once["rows"][0]["forward_ms"])

@@ -1,5 +1,6 @@
 """Timing, profiling, variants, the benchmark and execute commands, and notebook helpers."""
 
+import json
 import math
 
 import pandas as pd
@@ -143,12 +144,11 @@ def test_top_kernels_counts_calls_per_iteration():
     assert df.loc[df["name"] == "aten::topk", "calls"].tolist() == [1]
 
 
-def test_side_by_side_has_two_level_columns_with_the_titles(knn_kernels):
-    table = profiling.side_by_side({"eager": knn_kernels, "other": knn_kernels.head(2)})
-    assert table.columns.nlevels == 2
-    assert list(table.columns.get_level_values(0).unique()) == ["eager", "other"]
-    assert list(table["eager"].columns) == list(knn_kernels.columns)
-    assert len(table) == len(knn_kernels)
+def test_stacked_keeps_the_columns_and_puts_each_table_under_its_title(knn_kernels):
+    table = profiling.stacked({"eager": knn_kernels, "other": knn_kernels.head(2)})
+    assert list(table.columns) == list(knn_kernels.columns)
+    assert list(table.index.get_level_values(0).unique()) == ["eager", "other"]
+    assert len(table.loc["other"]) == 2 and len(table) == len(knn_kernels) + 2
 
 
 # ---------------------------------------------------------------- variants
@@ -300,3 +300,73 @@ def test_run_all_repeats_every_variant_in_fresh_processes_cold_first(monkeypatch
     assert len(df.attrs["runs"]) == 6
     with pytest.raises(ValueError, match="^repeats:"):
         benchmark.run_all(names, repeats=0, verbose=False)
+
+
+# ---------------------------------------------------------------- results page
+
+
+def test_results_tables_from_a_benchmark_file(tmp_path):
+    from extkernels import results
+
+    rows = [
+        {
+            "variant": "knn/torch",
+            "forward_ms": 80.0,
+            "forward_min": 79.0,
+            "forward_max": 82.5,
+            "train_ms": 81.0,
+            "train_min": 80.0,
+            "train_max": 90.0,
+            "forward_speedup": 1.0,
+            "train_speedup": 1.0,
+            "peak_mb": 41000.4,
+        },
+        {
+            "variant": "knn/new",
+            "forward_ms": 0.2,
+            "forward_min": 0.19,
+            "forward_max": 0.21,
+            "train_ms": 0.5,
+            "train_min": 0.45,
+            "train_max": 0.6,
+            "forward_speedup": 400.0,
+            "train_speedup": 162.0,
+            "peak_mb": 50.0,
+        },
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"meta": {"hardware": "GPU X", "repeats": 5}, "rows": rows}))
+    meta, df = results.load(path)
+    assert meta["hardware"] == "GPU X" and list(df.index) == ["knn/torch", "knn/new"]
+    book = results.book_table(df, {"knn/torch": 1})
+    assert book.loc["knn/torch", "forward ms"] == "80.000 (79.000–82.500)"
+    assert (book.loc["knn/torch", "chapter"], book.loc["knn/new", "chapter"]) == (1, "")
+    anchor = results.anchor_table(df)
+    assert anchor.loc["knn/torch", "A100 (anchor)"] == "144.0 / 144.8"
+    assert anchor.loc["knn/torch", "this book (median)"] == "80 / 81"
+    assert anchor.loc["radius/warp+compile", "this book (median)"] == ""  # not in this file
+
+
+def test_summary_is_narrow_and_says_median_and_range():
+    rows = [
+        {"variant": "v", "forward_ms": f, "train_ms": 2 * f, "peak_mb": 10.0, "hardware": "CPU"}
+        for f in (1.0, 2.0, 4.0)
+    ]
+    out = timing.summary(timing.timings_frame(rows))
+    assert list(out.columns) == ["forward ms", "training ms", "peak MiB"]
+    assert out.loc["v", "forward ms"] == "2.000 (1.000–4.000)"
+    assert out.loc["v", "training ms"] == "4.000 (2.000–8.000)"
+
+
+def test_benchmark_merge_refuses_files_of_two_machines(tmp_path):
+    paths = []
+    for hardware in ("GPU A", "GPU B"):
+        path = tmp_path / f"{hardware}.json"
+        run = {"variant": "knn/torch", "workload": "knn", "forward_ms": 1.0, "train_ms": 2.0}
+        meta = {"hardware": hardware, "date": "today"}
+        path.write_text(json.dumps({"meta": meta, "rows": [], "runs": [run]}))
+        paths.append(str(path))
+    meta, df = benchmark.merge(paths[:1] * 2)
+    assert df.loc["knn/torch", "repeats"] == 2 and meta["date"] == "today, today"
+    with pytest.raises(ValueError, match="^paths: expected files from one machine"):
+        benchmark.merge(paths)

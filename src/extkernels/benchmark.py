@@ -83,7 +83,12 @@ def run_all(
             rows.append(V.run(v, prob))
     if not rows:
         raise SystemExit("no chosen variant can run on this machine (see --list)")
-    # Speedups within each workload, over its eager brute force.
+    return frame(rows)
+
+
+def frame(rows: list[dict]) -> pd.DataFrame:
+    """Runs of several workloads as one table, speedups within each workload over its eager
+    brute force; every run's row kept in ``attrs["runs"]`` for the JSON record."""
     workloads = dict.fromkeys(r["workload"] for r in rows)
     df = pd.concat(
         [
@@ -91,8 +96,34 @@ def run_all(
             for w in workloads
         ]
     )
-    df.attrs["runs"] = rows  # every run's row, for the JSON record
+    df.attrs["runs"] = rows
     return df
+
+
+def _write(path: str, df: pd.DataFrame, meta: dict) -> None:
+    with open(path, "w") as f:
+        # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject NaN.
+        rows = json.loads(df.reset_index().to_json(orient="records"))
+        runs = json.loads(pd.DataFrame(df.attrs["runs"]).to_json(orient="records"))
+        json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1)
+    print(f"wrote {path}")
+
+
+def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
+    """Several files of this command, from one machine, as one: every run of every file, the
+    table rebuilt from them (so speedups use the baseline wherever it was timed). The meta of
+    the first file, with the dates of all."""
+    metas, runs = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        runs += data["runs"]
+    hardware = {m["hardware"] for m in metas}
+    if len(hardware) != 1:
+        raise ValueError(f"paths: expected files from one machine, got {sorted(hardware)}")
+    meta = {**metas[0], "date": ", ".join(m["date"] for m in metas)}
+    return meta, frame(runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=5, help="runs per variant, each in a fresh process"
     )
     ap.add_argument("--list", action="store_true", help="list the variants and exit")
+    ap.add_argument(
+        "--merge", nargs="+", metavar="FILE", help="merge files of this command into --json"
+    )
     ap.add_argument("--rows-only", help=argparse.SUPPRESS)
     ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -116,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{v.name:28s} chapter {v.chapter:2d}  "
                 f"{'runs here' if v.available() else 'not here'}"
             )
+        return 0
+    if args.merge:
+        meta, df = merge(args.merge)
+        _write(args.json, df, meta)
         return 0
     names = args.variants.split(",") if args.variants else None
     if args.rows_only:  # child process of an isolated variant
@@ -136,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions()["version"].to_dict(),
         "sizes": {"n_ref": prob.n_ref, "n_ref_radius": prob.n_ref_radius, "n_query": prob.n_query},
     }
-    with open(args.json, "w") as f:
-        # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject NaN.
-        rows = json.loads(df.reset_index().to_json(orient="records"))
-        runs = json.loads(pd.DataFrame(df.attrs["runs"]).to_json(orient="records"))
-        json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1)
-    print(f"wrote {args.json}")
+    _write(args.json, df, meta)
     return 0
 
 

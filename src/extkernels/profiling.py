@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity
 __all__ = [
     "profile",
     "top_kernels",
-    "side_by_side",
+    "stacked",
     "generated_kernels",
     "runtime_calls",
     "timeline",
@@ -83,9 +83,10 @@ def top_kernels(prof, top: int = 8) -> pd.DataFrame:
     return df[["name", "time (ms)", "share (%)", "calls", "memory (MB)"]].round(3)
 
 
-def side_by_side(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Several tables next to each other under one header each (for example eager | compiled)."""
-    return pd.concat({title: t.reset_index(drop=True) for title, t in tables.items()}, axis=1)
+def stacked(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Several tables of the same columns one under the other, each under its title (for
+    example eager, then compiled): as narrow as one table, so it fits the page."""
+    return pd.concat({title: t.reset_index(drop=True) for title, t in tables.items()})
 
 
 def generated_kernels(fn, *args) -> list[str]:

@@ -33,6 +33,7 @@ __all__ = [
     "first_call_seconds",
     "peak_memory_mb",
     "timings_frame",
+    "summary",
     "forward_peak_mb",
 ]
 
@@ -62,8 +63,8 @@ def time_fn(fn: Callable[[], object], n_iters: int) -> float:
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak memory allocated by PyTorch while ``fn`` runs once, in MB (NaN on the CPU, or where
-    PyTorch's allocator is replaced and keeps no statistics)."""
+    """Peak memory allocated by PyTorch while ``fn`` runs once, in MiB (2**20 bytes; NaN on the
+    CPU, or where PyTorch's allocator is replaced and keeps no statistics)."""
     if device.type != "cuda":
         return math.nan
     try:
@@ -160,8 +161,37 @@ def timings_frame(rows: list[Timing | dict], baseline: str | None = None) -> pd.
     return out
 
 
+def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
+    """A timing table as the chapters show it: forward and training ms as ``median (min–max)``
+    of the runs, speedups where the frame has them, peak memory in MiB, and the first call's
+    seconds where there is one. Few columns, so it fits the page.
+
+    Args:
+        df: from :func:`timings_frame` (or :func:`extkernels.benchmark.run_all`).
+    """
+
+    def median_and_range(metric: str) -> list[str]:
+        cols = (f"{metric}_ms", f"{metric}_min", f"{metric}_max")
+        return [
+            f"{m:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+            for m, lo, hi in df[list(cols)].values
+        ]
+
+    out = pd.DataFrame(
+        {"forward ms": median_and_range("forward"), "training ms": median_and_range("train")},
+        index=df.index,
+    )
+    if "forward_speedup" in df:
+        out["× eager fwd"] = df["forward_speedup"].round(1)
+        out["× eager train"] = df["train_speedup"].round(1)
+    out["peak MiB"] = df["peak_mb"].round(0)
+    if "first_call_s" in df and df["first_call_s"].notna().any():
+        out["first call s"] = df["first_call_s"].round(1)
+    return out.rename_axis("variant")
+
+
 def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:
-    """Peak memory of one forward pass under ``torch.no_grad()``, in MB (NaN on the CPU)."""
+    """Peak memory of one forward pass under ``torch.no_grad()``, in MiB (NaN on the CPU)."""
 
     def forward():
         with torch.no_grad():
