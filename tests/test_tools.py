@@ -370,3 +370,13 @@ def test_benchmark_merge_refuses_files_of_two_machines(tmp_path):
     assert df.loc["knn/torch", "repeats"] == 2 and meta["date"] == "today, today"
     with pytest.raises(ValueError, match="^paths: expected files from one machine"):
         benchmark.merge(paths)
+
+
+@pytest.mark.parametrize(
+    "b_runs, expected",
+    [((3.0, 4.0), "faster than"), ((0.1, 0.5), "slower than"), ((1.5, 9.0), "within")],
+)
+def test_verdict_claims_a_difference_only_when_the_ranges_do_not_overlap(b_runs, expected):
+    rows = [{"variant": "a", "forward_ms": f, "train_ms": f} for f in (1.0, 2.0)]
+    rows += [{"variant": "b", "forward_ms": f, "train_ms": f} for f in b_runs]
+    assert timing.verdict(timing.timings_frame(rows), "a", "b").startswith(expected)

@@ -34,6 +34,7 @@ __all__ = [
     "peak_memory_mb",
     "timings_frame",
     "summary",
+    "verdict",
     "forward_peak_mb",
 ]
 
@@ -188,6 +189,18 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     if "first_call_s" in df and df["first_call_s"].notna().any():
         out["first call s"] = df["first_call_s"].round(1)
     return out.rename_axis("variant")
+
+
+def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
+    """How variant ``a`` compares with ``b`` in ``metric`` (``forward`` or ``train``), for
+    prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated runs do
+    not overlap, otherwise ``"within the run-to-run spread of"``."""
+    lo, hi = f"{metric}_min", f"{metric}_max"
+    if df.loc[a, hi] < df.loc[b, lo]:
+        return "faster than"
+    if df.loc[a, lo] > df.loc[b, hi]:
+        return "slower than"
+    return "within the run-to-run spread of"
 
 
 def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:
