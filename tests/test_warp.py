@@ -342,13 +342,14 @@ def test_operators_run_from_several_threads(device):
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in (1.0, 2.0, 3.0)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for _ in range(3):  # a race shows only now and then: give it several chances
+        threads = [threading.Thread(target=work, args=(s,)) for s in (1.0, 2.0, 3.0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert errors == []
-    assert len(results) == 60
+    assert len(results) == 180
     if device == "cuda":
         torch.cuda.synchronize()
     for scale, out in results:

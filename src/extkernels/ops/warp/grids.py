@@ -146,6 +146,9 @@ class GridPool:
     def __init__(self, cache_size: int = 4, spares: int = 2) -> None:
         self.cache_size, self.spares = cache_size, spares
         self._lock = threading.Lock()
+        # Builds from several threads take turns: Warp's current stream (set by ScopedStream)
+        # and the host copy of a grid's descriptor are per device, not per thread.
+        self._build_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Entry] = OrderedDict()
         self._spare: dict[tuple, list[Grid]] = {}
         self._retired: list[tuple[Grid, Any]] = []  # (grid, CUDA event after its last kernel)
@@ -223,16 +226,17 @@ class GridPool:
                 )
             grid = Grid(wp.HashGrid(*dims, device=where.device), dims)
         points = points_array(p_ref, where.device)
-        if where.stream is None:
-            grid.grid.build(points, radius)
+        with self._build_lock:
+            if where.stream is None:
+                grid.grid.build(points, radius)
+                return grid, grid.grid.id
+            # The build's sort and its stream-ordered allocations go to PyTorch's stream.
+            with wp.ScopedStream(where.stream, sync_enter=False):
+                grid.grid.build(points, radius)
+                if capturing:
+                    return grid, self._captured_id(grid, p_ref.shape[0], radius)
+                grid.refresh_descriptor(p_ref.shape[0], radius, p_ref.device)
             return grid, grid.grid.id
-        # The build's sort and its stream-ordered allocations go to PyTorch's current stream.
-        with wp.ScopedStream(where.stream, sync_enter=False):
-            grid.grid.build(points, radius)
-            if capturing:
-                return grid, self._captured_id(grid, p_ref.shape[0], radius)
-            grid.refresh_descriptor(p_ref.shape[0], radius, p_ref.device)
-        return grid, grid.grid.id
 
     @staticmethod
     def _captured_id(grid: Grid, n_points: int, radius: float) -> int:
