@@ -635,3 +635,89 @@ def test_an_unknown_backward_kind_is_an_error():
     grad_out = torch.zeros(p_query.shape[0], N_FEATS)
     with pytest.raises(ValueError, match="^kind: expected one of"):
         wops._backward_impl(grad_out, p_query, p_ref, feats, RADIUS, SIGMA, "tape")
+
+
+# ---------------------------------------------------------------- the simple hand-over (ctx)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_handover_gives_the_reference_gradient_and_keeps_no_grid(device):
+    p_query, p_ref, feats = problem(device)
+    grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
+    f = feats.clone().requires_grad_(True)
+    out = extkernels.radius_aggregate(
+        p_query, p_ref, f, RADIUS, SIGMA, backend="warp", handover="saved"
+    )
+    assert wb.grid_cache_size() == 0  # the normalisers travel through ctx, the grid not at all
+    (grad,) = torch.autograd.grad(out, f, grad_out)
+    expected_out, _ = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
+    torch.testing.assert_close(out, expected_out, atol=ATOL, rtol=RTOL)
+    assert_float32_reference_grad(grad, p_query, p_ref, feats, grad_out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_forward_returns_the_normalisers_the_pool_would_keep(device):
+    p_query, p_ref, feats = problem(device)
+    _, norms = torch.ops.warp.radius_aggregate_saved(p_query, p_ref, feats, RADIUS, SIGMA)
+    with torch.no_grad():
+        warp_op(p_query, p_ref, feats)
+    entry = grids.POOL.take(grids.entry_key(p_query, p_ref, RADIUS, SIGMA))
+    torch.testing.assert_close(norms, torch.stack(entry.norms), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["radius_aggregate_saved", "radius_aggregate_backward_saved"])
+def test_opcheck_saved(device, name):
+    p_query, p_ref, feats = problem(device, n_feats=3)
+    if name == "radius_aggregate_saved":
+        args = (p_query, p_ref, feats.clone().requires_grad_(True), RADIUS, SIGMA)
+    else:
+        _, norms = torch.ops.warp.radius_aggregate_saved(p_query, p_ref, feats, RADIUS, SIGMA)
+        grad_out = torch.randn(p_query.shape[0], 3, device=device)
+        args = (grad_out, p_query, p_ref, feats, norms, RADIUS, SIGMA)
+    torch.library.opcheck(getattr(torch.ops.warp, name).default, args)
+
+
+def test_saved_handover_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    p_query, p_ref, feats = problem("cpu", n_feats=4)
+
+    def loss_fn(p_query, p_ref, feats):
+        out = extkernels.radius_aggregate(
+            p_query, p_ref, feats, RADIUS, SIGMA, backend="warp", handover="saved"
+        )
+        return (out * torch.arange(1.0, 5.0)).sum()
+
+    explanation = torch._dynamo.explain(loss_fn)(p_query, p_ref, feats)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        f = feats.clone().requires_grad_(True)
+        fn(p_query, p_ref, f).backward()
+        grads.append(f.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=ATOL, rtol=RTOL)
+
+
+def test_saved_handover_rejects_bad_options_and_normalisers():
+    p_query, p_ref, feats = problem("cpu")
+    with pytest.raises(ValueError, match="^handover: expected one of"):
+        extkernels.radius_aggregate(
+            p_query, p_ref, feats, RADIUS, SIGMA, backend="warp", handover="tape"
+        )
+    with pytest.raises(ValueError, match="^backward: the 'saved' hand-over"):
+        extkernels.radius_aggregate(
+            p_query,
+            p_ref,
+            feats,
+            RADIUS,
+            SIGMA,
+            backend="warp",
+            handover="saved",
+            backward="manual",
+        )
+    grad_out = torch.zeros(p_query.shape[0], N_FEATS)
+    for norms in (torch.zeros(3, p_query.shape[0]), torch.zeros(2, p_query.shape[0]).double()):
+        with pytest.raises(ValueError, match="^norms: expected a float32 tensor of shape"):
+            torch.ops.warp.radius_aggregate_backward_saved(
+                grad_out, p_query, p_ref, feats, norms, RADIUS, SIGMA
+            )

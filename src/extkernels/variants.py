@@ -140,6 +140,15 @@ VARIANTS: list[Variant] = [
         chapter=6,
         options={"backward": "manual"},
     ),
+    Variant(
+        "radius/warp-saved+compile",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=6,
+        options={"handover": "saved"},
+    ),
     Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
     Variant(
         "radius/warp+compile+1thread",

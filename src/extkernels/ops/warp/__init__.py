@@ -6,6 +6,7 @@ Organised by role:
 - :mod:`~.ops`: the custom operators, each with its fake and its autograd (chapters 5-6);
 - :mod:`~.grids`: the pool that owns every hash grid, from forward to backward and into
   CUDA graphs (chapters 6-7);
+- :mod:`~.saved`: the simple hand-over through ``ctx``, which chapter 6 compares with it;
 - :mod:`~.interop`: handing tensors and streams to Warp cheaply (chapter 7).
 
 Importing the backend registers it and its operators (``torch.ops.warp.*``) without importing
@@ -24,16 +25,23 @@ from ..registry import Backend, register
 from .grids import POOL
 from .interop import registered_capture, warp
 from .ops import BACKWARDS
+from .saved import radius_aggregate_saved_op  # noqa: F401  (registers warp::*_saved)
 
 __all__ = [
     "BACKEND",
     "BACKWARDS",
+    "HANDOVERS",
     "available",
     "init",
     "radius_aggregate",
     "grid_cache_size",
     "clear_grid_cache",
 ]
+
+
+#: How a forward hands its grid and normalisers to the backward: the backend's pool, or
+#: the normalisers saved through ``ctx`` with the grid built again (chapter 6).
+HANDOVERS = ("pool", "saved")
 
 
 def available() -> bool:
@@ -66,17 +74,26 @@ def radius_aggregate(
     sigma: float,
     *,
     backward: str = "adjoint",
+    handover: str = "pool",
 ) -> torch.Tensor:
     """Radius-bounded aggregation by ``torch.ops.warp.radius_aggregate``; returns ``(M, F)``.
 
     ``backward="manual"`` calls ``torch.ops.warp.radius_aggregate_manual`` instead: the same
     forward, differentiated by the hand-written kernel instead of Warp's adjoint.
+    ``handover="saved"`` calls ``torch.ops.warp.radius_aggregate_saved``: the normalisers
+    reach the backward through ``ctx`` and the grid is built again (with Warp's adjoint).
     """
+    if handover not in HANDOVERS:
+        raise ValueError(f"handover: expected one of {HANDOVERS}, got {handover!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
+    if handover == "saved":
+        if backward != "adjoint":
+            raise ValueError("backward: the 'saved' hand-over differentiates with 'adjoint'")
+        return torch.ops.warp.radius_aggregate_saved(p_query, p_ref, feats, radius, sigma)[0]
     if backward == "adjoint":
         return torch.ops.warp.radius_aggregate(p_query, p_ref, feats, radius, sigma)
-    if backward == "manual":
-        return torch.ops.warp.radius_aggregate_manual(p_query, p_ref, feats, radius, sigma)
-    raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
+    return torch.ops.warp.radius_aggregate_manual(p_query, p_ref, feats, radius, sigma)
 
 
 # Every capture by extkernels.graphs tells Warp about itself (see interop.registered_capture).

@@ -61,13 +61,21 @@ def _threads(n_features: int) -> int:
     return -(-n_features // kernels().CHUNK)
 
 
-def _new_entry(p_query: torch.Tensor, p_ref: torch.Tensor, radius: float, at: Where) -> Entry:
-    """A grid over ``p_ref``, the descriptors of both clouds, and room for the per-query
-    normalisers ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) / sigma)``)."""
+def _new_entry(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    radius: float,
+    at: Where,
+    norms: torch.Tensor | None = None,
+) -> Entry:
+    """A grid over ``p_ref``, the descriptors of both clouds, and the per-query normalisers
+    ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) / sigma)``): the rows of
+    ``norms`` ``(2, M)``, or of a fresh tensor for a kernel to fill."""
     wp = kernels().wp
     grid, grid_id = POOL.build(p_ref, radius, at)
     points = (descriptor(p_query, wp.vec3), descriptor(p_ref, wp.vec3))
-    norms = torch.empty((2, p_query.shape[0]), dtype=torch.float32, device=p_query.device)
+    if norms is None:
+        norms = torch.empty((2, p_query.shape[0]), dtype=torch.float32, device=p_query.device)
     shift, inv_norm = norms  # one allocation, two contiguous rows
     norm_descs = (descriptor(shift), descriptor(inv_norm))
     return Entry(grid, grid_id, (shift, inv_norm), norm_descs, points, at)
@@ -135,14 +143,30 @@ def _backward_impl(
     # Metadata only: the forward checked the values.
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
     check_grad_out(grad_out, p_query, feats)
-    k = kernels()
-    m, f = grad_out.shape
     at = where(p_ref.device)
     entry = POOL.take(entry_key(p_query, p_ref, radius, sigma))
     if entry is None:  # the forward's grid is gone: rebuild it and the normalisers
         entry = _new_entry(p_query, p_ref, radius, at)
         args = [entry.grid_id, *entry.points, radius, sigma, *entry.norm_descs]
-        launch(k.normaliser, (m,), args, at)
+        launch(kernels().normaliser, (grad_out.shape[0],), args, at)
+    grad_feats = _gradient(entry, at, grad_out, feats, radius, sigma, kind)
+    POOL.release(entry)
+    return grad_feats
+
+
+def _gradient(
+    entry: Entry,
+    at: Where,
+    grad_out: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+    kind: str,
+) -> torch.Tensor:
+    """The gradient of ``feats`` from a grid and its normalisers, by ``kind``, launched on
+    ``at``'s stream."""
+    k = kernels()
+    m, f = grad_out.shape
     # Fresh zeros every call: both kernels accumulate into grad_feats.
     grad_feats = torch.zeros_like(feats)
     common = [entry.grid_id, *entry.points]
@@ -169,7 +193,6 @@ def _backward_impl(
             + [descriptor(grad_out), descriptor(grad_feats)],
             at,
         )
-    POOL.release(entry)
     return grad_feats
 
 
