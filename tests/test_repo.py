@@ -113,3 +113,45 @@ def test_the_mixing_check_sees_a_mixed_file(tmp_path):
     mixed = tmp_path / "requirements-mixed.txt"
     mixed.write_text("torch==2.13.0\ncuml-cu12==26.10.*\n")
     assert set(cuda_majors(mixed)) == {12, 13}
+
+
+# ---------------------------------------------------------------- listings in the chapters
+
+
+def _listings() -> list:
+    """``(notebook, cell, expression, stored text)`` of every ``show_source(...)`` cell."""
+    import re
+
+    found = []
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            m = re.search(r"show_source\(([\w.]+)\)", cell.source)
+            if cell.cell_type == "code" and m:
+                stored = "".join(o["data"]["text/plain"] for o in cell.outputs if "data" in o)
+                found.append(pytest.param(path.name, i, m.group(1), stored, id=f"{path.stem}-{i}"))
+    return found
+
+
+@pytest.mark.parametrize("name, cell, expression, stored", _listings())
+def test_stored_listings_show_the_package_as_it_is(name, cell, expression, stored):
+    # A chapter's listing of package code is an output: it must be re-executed when the code
+    # changes, or the page shows code that no longer exists.
+    import inspect
+
+    pytest.importorskip("warp")
+    import extkernels as ek
+    from extkernels import graphs
+    from extkernels.experiments import warp_interop as wi
+    from extkernels.ops import warp as warp_backend
+    from extkernels.ops.warp import interop, kernels
+    from extkernels.ops.warp import ops as warp_ops
+
+    names = {"ek": ek, "graphs": graphs, "wi": wi, "warp_backend": warp_backend}
+    names.update(interop=interop, kernels=kernels, warp_ops=warp_ops)
+    obj = eval(expression, names)
+    source = inspect.getsource(getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj)
+    assert source.rstrip() == stored.rstrip(), (
+        f"{name}, cell {cell}: the listing of {expression} is not the package's code any more; "
+        "re-execute the chapter"
+    )

@@ -143,30 +143,14 @@ def _backward_impl(
     # Metadata only: the forward checked the values.
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
     check_grad_out(grad_out, p_query, feats)
+    k = kernels()
+    m, f = grad_out.shape
     at = where(p_ref.device)
     entry = POOL.take(entry_key(p_query, p_ref, radius, sigma))
     if entry is None:  # the forward's grid is gone: rebuild it and the normalisers
         entry = _new_entry(p_query, p_ref, radius, at)
         args = [entry.grid_id, *entry.points, radius, sigma, *entry.norm_descs]
-        launch(kernels().normaliser, (grad_out.shape[0],), args, at)
-    grad_feats = _gradient(entry, at, grad_out, feats, radius, sigma, kind)
-    POOL.release(entry)
-    return grad_feats
-
-
-def _gradient(
-    entry: Entry,
-    at: Where,
-    grad_out: torch.Tensor,
-    feats: torch.Tensor,
-    radius: float,
-    sigma: float,
-    kind: str,
-) -> torch.Tensor:
-    """The gradient of ``feats`` from a grid and its normalisers, by ``kind``, launched on
-    ``at``'s stream."""
-    k = kernels()
-    m, f = grad_out.shape
+        launch(k.normaliser, (m,), args, at)
     # Fresh zeros every call: both kernels accumulate into grad_feats.
     grad_feats = torch.zeros_like(feats)
     common = [entry.grid_id, *entry.points]
@@ -193,6 +177,7 @@ def _gradient(
             + [descriptor(grad_out), descriptor(grad_feats)],
             at,
         )
+    POOL.release(entry)
     return grad_feats
 
 

@@ -15,9 +15,9 @@ import torch
 
 from ..checks import check_grad_out, check_radius_aggregate, check_same_device
 from ..registry import CUDAGRAPH_UNSAFE
-from .grids import POOL
+from .grids import POOL, entry_key
 from .interop import descriptor, launch, where
-from .ops import _gradient, _new_entry, _threads, kernels
+from .ops import _backward_impl, _new_entry, _threads, kernels
 
 __all__ = ["radius_aggregate_saved_op", "radius_aggregate_backward_saved_op"]
 
@@ -94,11 +94,11 @@ def radius_aggregate_backward_saved_op(
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
     check_grad_out(grad_out, p_query, feats)
     _check_norms(norms, p_query)
-    at = where(p_ref.device)
-    entry = _new_entry(p_query, p_ref, radius, at, norms=norms)
-    grad_feats = _gradient(entry, at, grad_out, feats, radius, sigma, "adjoint")
-    POOL.release(entry)
-    return grad_feats
+    # The grid again, with the normalisers from ctx, lent to the standard backward under the
+    # key it looks up (it takes the entry out and hands the grid back).
+    entry = _new_entry(p_query, p_ref, radius, where(p_ref.device), norms=norms)
+    POOL.put(entry_key(p_query, p_ref, radius, sigma), entry)
+    return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
 
 
 @radius_aggregate_backward_saved_op.register_fake
