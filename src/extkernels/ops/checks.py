@@ -43,6 +43,7 @@ __all__ = [
     "check_k",
     "check_positive",
     "check_same_device",
+    "check_finite",
     "call_checked",
     "values_checked",
     "value_checks",
