@@ -1,4 +1,5 @@
-"""Shared fixtures: one small seeded problem, fast on two CPU cores, and the built website."""
+"""Shared fixtures: one small seeded problem, fast on two CPU cores, and the built
+website."""
 
 import shutil
 import subprocess
@@ -47,7 +48,8 @@ def small_problem():
 
 
 def toc_files() -> list[str]:
-    """The book's pages as `_toc.yml` names them: the root, then every chapter's `file:`."""
+    """The book's pages as `_toc.yml` names them: the root, then every chapter's
+    `file:`."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     files = [toc["root"]]
     for part in toc.get("parts", []):
@@ -59,7 +61,9 @@ def toc_files() -> list[str]:
 def built_site(tmp_path_factory) -> Path:
     """The website built once per session, strictly (-W -n); returns its html folder."""
     out = tmp_path_factory.mktemp("site")
-    jb = shutil.which("jupyter-book") or str(Path(sys.executable).with_name("jupyter-book"))
+    jb = shutil.which("jupyter-book") or str(
+        Path(sys.executable).with_name("jupyter-book")
+    )
     result = subprocess.run(
         [jb, "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
         capture_output=True,

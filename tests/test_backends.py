@@ -1,12 +1,12 @@
-"""The backend conformance suite: every registered backend x every operation it implements x
-every device it runs on, against independent references.
+"""The backend conformance suite: every registered backend x every operation it
+implements x every device it runs on, against independent references.
 
-A new backend gets all of it by registering (``extkernels.ops.registry.register``): exact
-results on random and awkward clouds (duplicate points, tight clusters, a flat cloud, queries
-far outside the cloud, a cloud far from the origin), gradients, every bad input through the
-entry point, the custom operator and its fake, ``opcheck``, and ``torch.compile(fullgraph=True)``
-with zero graph breaks. Cases a machine cannot run are skipped with the reason; CUDA cases
-carry the ``gpu`` marker.
+A new backend gets all of it by registering (``extkernels.ops.registry.register``):
+exact results on random and awkward clouds (duplicate points, tight clusters, a flat
+cloud, queries far outside the cloud, a cloud far from the origin), gradients, every bad
+input through the entry point, the custom operator and its fake, ``opcheck``, and
+``torch.compile(fullgraph=True)`` with zero graph breaks. Cases a machine cannot run are
+skipped with the reason; CUDA cases carry the ``gpu`` marker.
 """
 
 import math
@@ -29,8 +29,8 @@ OPS = ["knn", "knn_aggregate", "radius_aggregate"]
 
 
 def cases(op: str) -> list:
-    """``(backend, device)`` parameters for ``op``: every registered backend that implements
-    it, on every device it names; skipped where it cannot run here."""
+    """``(backend, device)`` parameters for ``op``: every registered backend that
+    implements it, on every device it names; skipped where it cannot run here."""
     params = []
     for b in registry.registered():
         if not b.implements(op):
@@ -40,7 +40,9 @@ def cases(op: str) -> list:
             if not b.runs_on(device):
                 why = f"backend {b.name!r} cannot run on {device} on this machine"
                 marks.append(pytest.mark.skip(reason=why))
-            params.append(pytest.param(b.name, device, marks=marks, id=f"{b.name}-{device}"))
+            params.append(
+                pytest.param(b.name, device, marks=marks, id=f"{b.name}-{device}")
+            )
     return params
 
 
@@ -51,7 +53,8 @@ def operator_cases(op: str) -> list:
 
 
 def per_op(ops: list[str], source=None) -> list:
-    """``source(op)`` parameters (default :func:`cases`) for every op, with ``op`` first."""
+    """``source(op)`` parameters (default :func:`cases`) for every op, with ``op``
+    first."""
     source = source or cases
     return [
         pytest.param(op, *p.values, marks=p.marks, id=f"{op}-{p.id}")
@@ -75,13 +78,17 @@ def _cloud(kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         p_ref = torch.cat([p_ref[: N_REF // 2], p_ref[: N_REF // 2]])
     elif kind == "clusters":  # five clusters 1e-3 across, and the rest of the cloud
         centres = torch.randn(5, 3, generator=g)
-        tight = centres.repeat_interleave(60, 0) + 1e-3 * torch.randn(300, 3, generator=g)
+        tight = centres.repeat_interleave(60, 0) + 1e-3 * torch.randn(
+            300, 3, generator=g
+        )
         p_ref = torch.cat([tight, p_ref[300:]])
         p_query = torch.cat([p_query, centres + 0.05])
     elif kind == "flat":  # every point in the plane z = 0
         p_ref[:, 2] = 0.0
     elif kind == "far queries":  # queries 10 to 100 units away from the cloud
-        direction = torch.nn.functional.normalize(torch.randn(40, 3, generator=g), dim=1)
+        direction = torch.nn.functional.normalize(
+            torch.randn(40, 3, generator=g), dim=1
+        )
         p_query = torch.cat([p_query, direction * torch.linspace(10, 100, 40)[:, None]])
     elif kind == "offset 1000":  # coordinates near 1000, as in a scan in millimetres
         p_ref, p_query = p_ref + 1000.0, p_query + 1000.0
@@ -133,9 +140,9 @@ def radius_weights(p_query, p_ref, radius, sigma) -> np.ndarray:
 
 
 def aggregate_tolerance(largest_distance: float) -> float:
-    """What float32 allows: a distance ``d`` carries an error of a few ulp, ``~d * 2**-23``, and
-    a weight ``exp(-d / sigma)`` that error divided by sigma, relative (queries 100 units away
-    lose four digits of their weights)."""
+    """What float32 allows: a distance ``d`` carries an error of a few ulp, ``~d *
+    2**-23``, and a weight ``exp(-d / sigma)`` that error divided by sigma, relative
+    (queries 100 units away lose four digits of their weights)."""
     return 1e-5 + 4 * 2**-23 * largest_distance / SIGMA
 
 
@@ -168,15 +175,24 @@ def test_knn_is_exact(backend, device, cloud):
     d, i = d.cpu().double().numpy(), i.cpu().numpy()
     ref_d, _ = knn_reference(p_query, p_ref, K)
     tol = 1e-6 + 1e-6 * ref_d
-    assert np.all(np.abs(d - ref_d) <= tol), f"distances off by {np.abs(d - ref_d).max():.3g}"
-    # Each index lies at its distance, so ties may come in any order but no point is wrong.
-    actual = np.linalg.norm(p_query.double().numpy()[:, None] - p_ref.double().numpy()[i], axis=-1)
-    assert np.all(np.abs(actual - ref_d) <= tol), "an index does not lie at its distance"
+    assert np.all(np.abs(d - ref_d) <= tol), (
+        f"distances off by {np.abs(d - ref_d).max():.3g}"
+    )
+    # Each index lies at its distance, so ties may come in any order but no point is
+    # wrong.
+    actual = np.linalg.norm(
+        p_query.double().numpy()[:, None] - p_ref.double().numpy()[i], axis=-1
+    )
+    assert np.all(np.abs(actual - ref_d) <= tol), (
+        "an index does not lie at its distance"
+    )
     assert all(len(set(row)) == K for row in i.tolist()), "a neighbour came twice"
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)
-@pytest.mark.parametrize("op, backend, device", per_op(["knn_aggregate", "radius_aggregate"]))
+@pytest.mark.parametrize(
+    "op, backend, device", per_op(["knn_aggregate", "radius_aggregate"])
+)
 def test_aggregation_and_its_gradient_are_exact(op, backend, device, cloud):
     p_query, p_ref = _cloud(cloud)
     feats = smooth_feats(p_ref)
@@ -187,7 +203,8 @@ def test_aggregation_and_its_gradient_are_exact(op, backend, device, cloud):
         out = extkernels.knn_aggregate(q, r, f, K, SIGMA, backend=backend)
         w = knn_weights(p_query, p_ref, K, SIGMA)
         atol = aggregate_tolerance(knn_reference(p_query, p_ref, K)[0].max())
-        # which of two copies of a point is the k-th neighbour is a tie-break, not a result
+        # which of two copies of a point is the k-th neighbour is a tie-break, not a
+        # result
         rows = lambda grad: group_rows(grad, p_ref)  # noqa: E731
     else:
         out = extkernels.radius_aggregate(q, r, f, RADIUS, SIGMA, backend=backend)
@@ -195,11 +212,17 @@ def test_aggregation_and_its_gradient_are_exact(op, backend, device, cloud):
         atol = aggregate_tolerance(RADIUS)
         rows = lambda grad: grad  # noqa: E731
     out.backward(g)
-    np.testing.assert_allclose(out.detach().cpu().double(), w @ feats.double().numpy(), atol=atol)
+    np.testing.assert_allclose(
+        out.detach().cpu().double(), w @ feats.double().numpy(), atol=atol
+    )
     expected = rows(w.T @ grad_out.double().numpy())
     np.testing.assert_allclose(rows(f.grad.cpu().double().numpy()), expected, atol=atol)
-    empty = torch.from_numpy(w.sum(axis=1) == 0)  # queries without neighbour: exact zeros
-    assert torch.equal(out.detach().cpu()[empty], torch.zeros(int(empty.sum()), N_FEATS))
+    empty = torch.from_numpy(
+        w.sum(axis=1) == 0
+    )  # queries without neighbour: exact zeros
+    assert torch.equal(
+        out.detach().cpu()[empty], torch.zeros(int(empty.sum()), N_FEATS)
+    )
 
 
 @pytest.mark.parametrize("backend, device", cases("knn"))
@@ -216,7 +239,11 @@ def test_knn_with_k_equal_to_the_cloud(backend, device):
 def _valid(device):
     p_query = extkernels.query_grid(2).to(device)
     p_ref = extkernels.reference_cloud(20).to(device)
-    return {"p_query": p_query, "p_ref": p_ref, "feats": extkernels.features(20, 2).to(device)}
+    return {
+        "p_query": p_query,
+        "p_ref": p_ref,
+        "feats": extkernels.features(20, 2).to(device),
+    }
 
 
 def _args(op, inputs, k=3, radius=0.5, sigma=0.1):
@@ -236,7 +263,8 @@ def _non_contiguous(t):
     return t.T.contiguous().T
 
 
-# (how to spoil a tensor, the error, whether a fake sees it: values are not the fake's business)
+# (how to spoil a tensor, the error, whether a fake sees it: values are not the fake's
+# business)
 BAD_CLOUDS = {
     "float64": (lambda t: t.double(), TypeError, True),
     "shape (n, 2)": (lambda t: t[:, :2].contiguous(), ValueError, True),
@@ -267,11 +295,13 @@ BAD_SCALARS = {
 
 
 def _bad_cases(op: str) -> list[tuple]:
-    """``(label, spoil(inputs) -> (args, argument name), error, fake sees it)`` for ``op``."""
+    """``(label, spoil(inputs) -> (args, argument name), error, fake sees it)`` for
+    ``op``."""
     out = []
     for arg in ("p_query", "p_ref"):
         for label, (spoil, error, fake) in BAD_CLOUDS.items():
-            # Two clouds on two devices: p_query's device is the expected one, p_ref is named.
+            # Two clouds on two devices: p_query's device is the expected one, p_ref is
+            # named.
             named = "p_ref" if label == "on another device" else arg
 
             def make(inputs, arg=arg, spoil=spoil, named=named):
@@ -310,7 +340,13 @@ def _bad_params(op: str, *, operators: bool = False) -> list:
         for label, make, error, fake in _bad_cases(op):
             params.append(
                 pytest.param(
-                    backend, device, make, error, fake, marks=p.marks, id=f"{p.id}-{label}"
+                    backend,
+                    device,
+                    make,
+                    error,
+                    fake,
+                    marks=p.marks,
+                    id=f"{p.id}-{label}",
                 )
             )
     return params
@@ -339,14 +375,18 @@ def test_knn_entry_point_rejects(backend, device, make, error, fake):
         extkernels.knn(*args, backend=backend)
 
 
-@pytest.mark.parametrize("backend, device, make, error, fake", _bad_params("knn_aggregate"))
+@pytest.mark.parametrize(
+    "backend, device, make, error, fake", _bad_params("knn_aggregate")
+)
 def test_knn_aggregate_entry_point_rejects(backend, device, make, error, fake):
     args, name = make(_valid(device))
     with pytest.raises(error, match=f"^{name}:"):
         extkernels.knn_aggregate(*args, backend=backend)
 
 
-@pytest.mark.parametrize("backend, device, make, error, fake", _bad_params("radius_aggregate"))
+@pytest.mark.parametrize(
+    "backend, device, make, error, fake", _bad_params("radius_aggregate")
+)
 def test_radius_aggregate_entry_point_rejects(backend, device, make, error, fake):
     args, name = make(_valid(device))
     with pytest.raises(error, match=f"^{name}:"):
@@ -375,12 +415,15 @@ def test_fake_implementation_rejects(op, backend, device, make, error, fake):
         pytest.skip("a fake tensor has no values to check")
     args, name = make(_valid(device))
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake_args = [
+            mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
+        ]
         with pytest.raises(error, match=f"^{name}:"):
             _operator(backend, op)(*fake_args)
 
 
-# ---------------------------------------------------------------- operators and the compiler
+# ---------------------------------------------------------------- operators and the
+# compiler
 
 
 def _example(op: str, device: str) -> tuple:
@@ -392,8 +435,8 @@ def _example(op: str, device: str) -> tuple:
 
 @pytest.mark.parametrize("op, backend, device", per_op(OPS, operator_cases))
 def test_opcheck(op, backend, device):
-    # All of opcheck's tests: schema, autograd registration, fake tensor, AOT dispatch with
-    # dynamic shapes.
+    # All of opcheck's tests: schema, autograd registration, fake tensor, AOT dispatch
+    # with dynamic shapes.
     torch.library.opcheck(_operator(backend, op), _example(op, device))
 
 

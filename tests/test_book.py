@@ -1,4 +1,5 @@
-"""The website builds strictly from the stored notebooks, with a page for every chapter."""
+"""The website builds strictly from the stored notebooks, with a page for every
+chapter."""
 
 import pytest
 from conftest import ROOT, toc_files

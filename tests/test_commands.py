@@ -175,7 +175,13 @@ def test_benchmark_merge_rebuilds_one_table_from_every_run(benchmark_run, tmp_pa
     _, out = benchmark_run
     merged = tmp_path / "merged.json"
     proc = _command(
-        "extkernels.benchmark", "--merge", str(out), str(out), "--json", str(merged), cwd=tmp_path
+        "extkernels.benchmark",
+        "--merge",
+        str(out),
+        str(out),
+        "--json",
+        str(merged),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     data, once = json.loads(merged.read_text()), json.loads(out.read_text())

@@ -1,6 +1,7 @@
-"""What is specific to the ``cuml`` backend: its operator's registration and tracing, and,
-where a CUDA GPU with cuML is present, the ownership of its outputs. The conformance suite
-(tests/test_backends.py) covers exactness, bad inputs, fakes, opcheck and compilation."""
+"""What is specific to the ``cuml`` backend: its operator's registration and tracing,
+and, where a CUDA GPU with cuML is present, the ownership of its outputs. The
+conformance suite (tests/test_backends.py) covers exactness, bad inputs, fakes, opcheck
+and compilation."""
 
 import pytest
 import torch
@@ -71,8 +72,11 @@ def test_centring_keeps_every_distance():
     p_query = extkernels.query_grid(3) + 1000.0
     q, r = cuml_backend.ops.centred(p_query, p_ref)
     assert r.mean(dim=0).abs().max() < 1e-3
-    # differences of nearby float32 numbers are exact: the centred clouds differ by the same
-    torch.testing.assert_close(q[:, None] - r[None], p_query[:, None] - p_ref[None], rtol=0, atol=0)
+    # differences of nearby float32 numbers are exact: the centred clouds differ by the
+    # same
+    torch.testing.assert_close(
+        q[:, None] - r[None], p_query[:, None] - p_ref[None], rtol=0, atol=0
+    )
 
 
 def test_exact_distances_sort_the_neighbours_found():
@@ -85,7 +89,9 @@ def test_exact_distances_sort_the_neighbours_found():
     )
     d, i = cuml_backend.ops.exact_distances(p_query, p_ref, found)
     assert bool((d[:, 1:] >= d[:, :-1]).all())
-    assert all(set(a) == set(b) for a, b in zip(i.tolist(), found.tolist(), strict=True))
+    assert all(
+        set(a) == set(b) for a, b in zip(i.tolist(), found.tolist(), strict=True)
+    )
     torch.testing.assert_close(d, (p_query[:, None] - p_ref[i]).norm(dim=-1))
 
 
@@ -93,14 +99,19 @@ def test_exact_distances_sort_the_neighbours_found():
 @pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
 @pytest.mark.parametrize("as_op", [True, False], ids=["operator", "direct"])
 @pytest.mark.parametrize("algorithm", cuml_backend.ALGORITHMS)
-def test_far_from_the_origin_rbc_is_exact_and_brute_misses_only_near_ties(algorithm, as_op):
-    # The book's size, around (1000, 1000, 1000): uncentred, cuML's float32 expanded form
-    # returns a wrong neighbour set for about half of these queries. Centred, the random ball
-    # cover is exact; brute force still computes the expanded form, whose rounding can swap
-    # two neighbours at nearly equal distances (about 1 query in 7,000 here).
+def test_far_from_the_origin_rbc_is_exact_and_brute_misses_only_near_ties(
+    algorithm, as_op
+):
+    # The book's size, around (1000, 1000, 1000): uncentred, cuML's float32 expanded
+    # form returns a wrong neighbour set for about half of these queries. Centred, the
+    # random ball cover is exact; brute force still computes the expanded form, whose
+    # rounding can swap two neighbours at nearly equal distances (about 1 query in 7,000
+    # here).
     p_ref = extkernels.reference_cloud(100_000, device="cuda") + 1000.0
     p_query = extkernels.query_grid(30, device="cuda") + 1000.0
-    d, i = extkernels.knn(p_query, p_ref, 7, backend="cuml", as_op=as_op, algorithm=algorithm)
+    d, i = extkernels.knn(
+        p_query, p_ref, 7, backend="cuml", as_op=as_op, algorithm=algorithm
+    )
     d_ref, i_ref = extkernels.knn(p_query, p_ref, 7, chunk_size=2000)
     wrong = (i.sort(dim=1).values != i_ref.sort(dim=1).values).any(dim=1)
     if algorithm == "rbc":
@@ -108,5 +119,6 @@ def test_far_from_the_origin_rbc_is_exact_and_brute_misses_only_near_ties(algori
         torch.testing.assert_close(d, d_ref, rtol=1e-6, atol=1e-6)
     else:
         assert float(wrong.float().mean()) < 1e-3
-        # the k-th neighbour found is never farther than the true one by more than a near tie
+        # the k-th neighbour found is never farther than the true one by more than a
+        # near tie
         assert float((d[:, -1] - d_ref[:, -1]).abs().max()) < 1e-4

@@ -1,7 +1,7 @@
 """Whole steps in one CUDA graph (``extkernels.graphs``) with the Warp operators inside.
 
-The replay tests need a GPU (they run on the book's GPU machine); on the CPU this file checks
-the refusals and the one assumption the capture makes about Warp's memory layout.
+The replay tests need a GPU (they run on the book's GPU machine); on the CPU this file
+checks the refusals and the one assumption the capture makes about Warp's memory layout.
 """
 
 import pytest
@@ -26,7 +26,8 @@ HIDDEN = 25
 
 
 def test_descriptor_layout_is_the_one_copied():
-    # Raises when Warp's grid descriptor no longer ends with the cell width at the copied size.
+    # Raises when Warp's grid descriptor no longer ends with the cell width at the
+    # copied size.
     grids.check_descriptor_layout.cache_clear()
     grids.check_descriptor_layout()
 
@@ -69,8 +70,11 @@ def test_replay_recomputes_on_new_points():
     p_query, p_ref, _ = data()
     forward = graphs.captured_forward(model, p_query, p_ref)
     first = forward().clone()
-    torch.testing.assert_close(first, eager_forward(model, p_query, p_ref), rtol=1e-5, atol=1e-6)
-    # New data copied into the captured inputs: the replay searches the new neighbourhoods.
+    torch.testing.assert_close(
+        first, eager_forward(model, p_query, p_ref), rtol=1e-5, atol=1e-6
+    )
+    # New data copied into the captured inputs: the replay searches the new
+    # neighbourhoods.
     new_query, new_ref, _ = data(seed=1, shift=0.05)
     p_query.copy_(new_query)
     p_ref.copy_(new_ref)
@@ -84,8 +88,8 @@ def test_replay_recomputes_on_new_points():
 @pytest.mark.gpu
 @needs_cuda
 def test_replay_survives_other_grids():
-    # Warp copies a grid's descriptor from one host variable shared by all grids; a replay
-    # after other builds must still query its own grid.
+    # Warp copies a grid's descriptor from one host variable shared by all grids; a
+    # replay after other builds must still query its own grid.
     import warp as wp
 
     model = projector()
@@ -94,7 +98,9 @@ def test_replay_survives_other_grids():
     forward = graphs.captured_forward(model, p_query, p_ref)
     other_query, other_ref, _ = data(seed=2, n_ref=N_REF // 2, shift=0.1)
     eager_forward(model, other_query, other_ref)  # the backend builds another grid
-    grid = wp.HashGrid(16, 16, 16, device="cuda:0")  # and so does anyone using Warp directly
+    grid = wp.HashGrid(
+        16, 16, 16, device="cuda:0"
+    )  # and so does anyone using Warp directly
     grid.build(wp.from_torch(other_ref * 3.0, dtype=wp.vec3), 0.5)
     torch.testing.assert_close(forward(), expected, rtol=1e-5, atol=1e-6)
 
@@ -105,11 +111,14 @@ def test_captured_grids_belong_to_the_graph(capfd):
     model = projector()
     p_query, p_ref, target = data()
     step = graphs.captured_train_step(model, model.parameters(), p_query, p_ref, target)
-    # The capture was registered with Warp: no scratch buffer left behind outside the graph.
+    # The capture was registered with Warp: no scratch buffer left behind outside the
+    # graph.
     assert "unregistered graph capture" not in capfd.readouterr().err
     kept = [g for g in step.kept if isinstance(g, grids.Grid)]
     assert len(kept) == 1 and kept[0].captured
-    with torch.cuda.stream(step.stream):  # eager calls on the capture stream take spare grids
+    with torch.cuda.stream(
+        step.stream
+    ):  # eager calls on the capture stream take spare grids
         for _ in range(3):
             make_train_step(model, model.parameters(), p_query, p_ref, target)()
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
-"""The package's shape: layers that import only downwards, no import circle, small modules,
-and docstrings that name chapters which exist."""
+"""The package's shape: layers that import only downwards, no import circle, small
+modules, and docstrings that name chapters which exist."""
 
 import ast
 import re
@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PACKAGE = "extkernels"
 MAX_LINES = 400
-#: The experiment layers: what drives the chapters and the benchmark. Library layers (data,
-#: models, ops, training, timing, graphs, profiling, plotting, ...) never import them.
+# : The experiment layers: what drives the chapters and the benchmark. Library layers
+# (data, : models, ops, training, timing, graphs, profiling, plotting, ...) never import
+# them.
 EXPERIMENTS = ("extkernels.variants", "extkernels.benchmark", "extkernels.experiments")
 #: Imports inside functions, each for a reason: the module imports an optional library.
 LAZY = {("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp"}
@@ -32,7 +33,8 @@ MODULES = _modules()
 
 
 def _resolve(module: str, path: Path, node: ast.ImportFrom) -> list[str]:
-    """The package's modules an ``ImportFrom`` names (``from . import x`` may name modules)."""
+    """The package's modules an ``ImportFrom`` names (``from . import x`` may name
+    modules)."""
     if node.level:
         base = module.split(".")
         if path.name != "__init__.py":
@@ -41,7 +43,9 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> list[str]:
         target = ".".join(base + ([node.module] if node.module else []))
     else:
         target = node.module or ""
-    submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+    submodules = [
+        f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES
+    ]
     # ``from pkg import submodule`` depends on the submodule; the package is its parent
     # anyway. Any other name comes from the package's own __init__.
     whole = target in MODULES and len(submodules) < len(node.names)
@@ -49,18 +53,23 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> list[str]:
 
 
 def _imports(module: str) -> list[tuple[str, bool]]:
-    """``(imported module of the package, inside a function)`` for every import in ``module``."""
+    """``(imported module of the package, inside a function)`` for every import in
+    ``module``."""
     path = MODULES[module]
     tree = ast.parse(path.read_text())
     out = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            inner = in_function or isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef
+            )
             if isinstance(child, ast.ImportFrom):
                 out.extend((m, in_function) for m in _resolve(module, path, child))
             elif isinstance(child, ast.Import):
-                out.extend((a.name, in_function) for a in child.names if a.name in MODULES)
+                out.extend(
+                    (a.name, in_function) for a in child.names if a.name in MODULES
+                )
             visit(child, inner)
 
     visit(tree, False)
@@ -107,7 +116,9 @@ def test_imports_of_the_package_sit_at_the_top_of_modules(module):
 @pytest.mark.parametrize("module", list(MODULES))
 def test_no_module_is_over_the_line_limit(module):
     n = len(MODULES[module].read_text().splitlines())
-    assert n <= MAX_LINES, f"{module}: {n} lines (at most {MAX_LINES}: split it by role)"
+    assert n <= MAX_LINES, (
+        f"{module}: {n} lines (at most {MAX_LINES}: split it by role)"
+    )
 
 
 def _chapters() -> set[int]:
@@ -117,8 +128,8 @@ def _chapters() -> set[int]:
 @pytest.mark.parametrize("module", list(MODULES))
 def test_module_docstring_names_chapters_that_exist(module):
     doc = ast.get_docstring(ast.parse(MODULES[module].read_text())) or ""
-    named = [int(n) for n in re.findall(r"[Cc]hapters? (\d+)", doc)]
-    named += [int(n) for n in re.findall(r"[Cc]hapters \d+-(\d+)", doc)]
+    named = [int(n) for n in re.findall(r"[Cc]hapters?\s+(\d+)", doc)]
+    named += [int(n) for n in re.findall(r"[Cc]hapters\s+\d+-(\d+)", doc)]
     assert named, f"{module}: the docstring names no chapter that teaches it"
     missing = sorted(set(named) - _chapters())
     assert not missing, f"{module}: names chapters {missing}, which do not exist"
@@ -126,5 +137,7 @@ def test_module_docstring_names_chapters_that_exist(module):
 
 def test_no_source_file_names_a_chapter_that_does_not_exist():
     for path in MODULES.values():
-        for n in re.findall(r"[Cc]hapters? (\d+)", path.read_text()):
-            assert int(n) in _chapters(), f"{path.relative_to(ROOT)}: chapter {n} does not exist"
+        for n in re.findall(r"[Cc]hapters?\s+(\d+)", path.read_text()):
+            assert int(n) in _chapters(), (
+                f"{path.relative_to(ROOT)}: chapter {n} does not exist"
+            )

@@ -35,7 +35,11 @@ def test_mlp_is_three_linear_layers_with_relu_between():
 def test_mlp_layer_widths():
     mlp = extkernels.MLP(3, 16, 2)
     linears = [layer for layer in mlp if isinstance(layer, nn.Linear)]
-    assert [(lin.in_features, lin.out_features) for lin in linears] == [(3, 16), (16, 16), (16, 2)]
+    assert [(lin.in_features, lin.out_features) for lin in linears] == [
+        (3, 16),
+        (16, 16),
+        (16, 2),
+    ]
 
 
 def test_mlp_maps_in_features_to_out_features():
@@ -60,7 +64,9 @@ def test_projector_passes_backend_options_to_the_aggregation(p_query, p_ref):
 
 def test_chunked_aggregation_gives_the_same_projection(p_query, p_ref):
     torch.manual_seed(0)
-    plain = extkernels.Projector(extkernels.KnnAggregation(k=5, sigma=0.1), hidden=HIDDEN)
+    plain = extkernels.Projector(
+        extkernels.KnnAggregation(k=5, sigma=0.1), hidden=HIDDEN
+    )
     torch.manual_seed(0)
     chunked = extkernels.Projector(
         extkernels.KnnAggregation(k=5, sigma=0.1, chunk_size=7), hidden=HIDDEN
@@ -77,7 +83,9 @@ def _tiny_data():
 
 def test_adam_steps_reduce_the_loss(projector):
     p_query, p_ref, target = _tiny_data()
-    step = make_train_step(projector, projector.parameters(), p_query, p_ref, target, lr=1e-2)
+    step = make_train_step(
+        projector, projector.parameters(), p_query, p_ref, target, lr=1e-2
+    )
     losses = [step().item() for _ in range(15)]
     assert losses[-1] < losses[0]
 
@@ -93,7 +101,10 @@ def test_train_step_updates_parameters(projector):
     p_query, p_ref, target = _tiny_data()
     before = [p.detach().clone() for p in projector.parameters()]
     make_train_step(projector, projector.parameters(), p_query, p_ref, target)()
-    assert all(not torch.equal(b, p) for b, p in zip(before, projector.parameters(), strict=True))
+    assert all(
+        not torch.equal(b, p)
+        for b, p in zip(before, projector.parameters(), strict=True)
+    )
 
 
 def test_gradients_reach_both_mlps(projector):
@@ -156,7 +167,9 @@ def test_query_grid_points_are_distinct_and_regular():
     for axis in range(3):
         values = torch.unique(grid[:, axis])
         assert values.numel() == side
-        torch.testing.assert_close(values.diff(), torch.full((side - 1,), 2.0 / (side - 1)))
+        torch.testing.assert_close(
+            values.diff(), torch.full((side - 1,), 2.0 / (side - 1))
+        )
 
 
 @pytest.mark.parametrize("n", [0, -3])
@@ -174,7 +187,9 @@ def test_query_grid_rejects_non_positive_side(side):
 def test_targets_and_features_shapes_and_determinism():
     assert extkernels.targets(9, seed=2).shape == (9, 1)
     assert extkernels.features(9, 4, seed=2).shape == (9, 4)
-    assert torch.equal(extkernels.features(9, 4, seed=2), extkernels.features(9, 4, seed=2))
+    assert torch.equal(
+        extkernels.features(9, 4, seed=2), extkernels.features(9, 4, seed=2)
+    )
 
 
 # ---------------------------------------------------------------- problem()

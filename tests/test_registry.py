@@ -1,5 +1,5 @@
-"""Backends as plug-ins (ops.registry), the entry points (ops.dispatch) and the validation
-contract (ops.checks): what holds for every backend, whatever it computes."""
+"""Backends as plug-ins (ops.registry), the entry points (ops.dispatch) and the
+validation contract (ops.checks): what holds for every backend, whatever it computes."""
 
 import math
 import threading
@@ -21,7 +21,11 @@ def scratch_registry(monkeypatch):
 
 
 def _inputs():
-    return extkernels.query_grid(3), extkernels.reference_cloud(50), extkernels.features(50, 4)
+    return (
+        extkernels.query_grid(3),
+        extkernels.reference_cloud(50),
+        extkernels.features(50, 4),
+    )
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -69,10 +73,16 @@ def test_operators_must_name_operations():
         registry.Backend("bad", knn=brute_force.knn, operators={"search": "x::y"})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA lists")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks what a machine without CUDA lists"
+)
 def test_cuda_only_backends_are_not_listed_without_cuda(scratch_registry):
-    registry.register(registry.Backend("fake-cuda", devices=("cuda",), knn=brute_force.knn))
-    registry.register(registry.Backend("fake-cpu", devices=("cpu",), knn=brute_force.knn))
+    registry.register(
+        registry.Backend("fake-cuda", devices=("cuda",), knn=brute_force.knn)
+    )
+    registry.register(
+        registry.Backend("fake-cpu", devices=("cpu",), knn=brute_force.knn)
+    )
     for op in ("knn", "knn_aggregate"):
         assert "fake-cuda" not in extkernels.backends(op)
         assert "fake-cpu" in extkernels.backends(op)
@@ -81,7 +91,9 @@ def test_cuda_only_backends_are_not_listed_without_cuda(scratch_registry):
 
 
 def test_cuda_only_backend_refuses_cpu_tensors(scratch_registry):
-    registry.register(registry.Backend("fake-cuda", devices=("cuda",), knn=brute_force.knn))
+    registry.register(
+        registry.Backend("fake-cuda", devices=("cuda",), knn=brute_force.knn)
+    )
     p_query, p_ref, _ = _inputs()
     with pytest.raises(ValueError, match="^backend: 'fake-cuda' runs on cuda"):
         extkernels.knn(p_query, p_ref, 3, backend="fake-cuda")
@@ -89,7 +101,9 @@ def test_cuda_only_backend_refuses_cpu_tensors(scratch_registry):
 
 def test_unavailable_backend_is_not_listed_and_refuses_to_run(scratch_registry):
     registry.register(
-        registry.Backend("absent", devices=("cpu",), available=lambda: False, knn=brute_force.knn)
+        registry.Backend(
+            "absent", devices=("cpu",), available=lambda: False, knn=brute_force.knn
+        )
     )
     assert "absent" not in extkernels.backends("knn")
     p_query, p_ref, _ = _inputs()
@@ -137,7 +151,9 @@ def test_one_check_names_the_cloud_that_is_not_finite(bad):
     clouds[bad][2, 1] = math.nan
     with pytest.raises(ValueError, match=f"^{bad}: expected finite coordinates"):
         checks.check_knn(clouds["p_query"], clouds["p_ref"], 3)
-    checks.check_knn(clouds["p_query"], clouds["p_ref"], 3, values=False)  # metadata only
+    checks.check_knn(
+        clouds["p_query"], clouds["p_ref"], 3, values=False
+    )  # metadata only
 
 
 def test_call_checked_skips_value_checks_on_its_own_thread_only():

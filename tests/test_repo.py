@@ -23,9 +23,14 @@ def _tracked_files() -> list[Path]:
 @pytest.mark.slow
 def test_ruff_lint_and_format_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    for args in (["check", "src", "tests", "book"], ["format", "--check", "src", "tests"]):
+    for args in (
+        ["check", "src", "tests", "book"],
+        ["format", "--check", "src", "tests"],
+    ):
         result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
-        assert result.returncode == 0, f"ruff {' '.join(args)}:\n{result.stdout}{result.stderr}"
+        assert result.returncode == 0, (
+            f"ruff {' '.join(args)}:\n{result.stdout}{result.stderr}"
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -34,7 +39,8 @@ def test_notebook_is_valid_and_canonical(path):
     nb = nbformat.reads(text, as_version=4)
     nbformat.validate(nb)
     assert nbformat.writes(nb) + "\n" == text or nbformat.writes(nb) == text, (
-        f"{path.name} is not in canonical nbformat: load and save it with nbformat.write"
+        f"{path.name} is not in canonical nbformat: load and save it with "
+        "nbformat.write"
     )
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", (
         f"{path.name}: kernel must be python3"
@@ -44,7 +50,11 @@ def test_notebook_is_valid_and_canonical(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executed_in_order(path):
     nb = nbformat.read(path, as_version=4)
-    counts = [c.execution_count for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    counts = [
+        c.execution_count
+        for c in nb.cells
+        if c.cell_type == "code" and c.source.strip()
+    ]
     assert None not in counts, f"{path.name}: some code cells were never executed"
     assert counts == sorted(counts), f"{path.name}: cells were executed out of order"
 
@@ -60,8 +70,9 @@ def test_committed_files_are_small():
 
 # ---------------------------------------------------------------- requirements
 
-#: CUDA major of the default PyPI wheel of packages whose name does not say it (Linux x86-64):
-#: torch 2.13.0's default wheel is its CUDA 13.0 build, Warp's PyPI wheels are CUDA 13 builds.
+# : CUDA major of the default PyPI wheel of packages whose name does not say it (Linux
+# x86-64): : torch 2.13.0's default wheel is its CUDA 13.0 build, Warp's PyPI wheels are
+# CUDA 13 builds.
 DEFAULT_WHEEL_CUDA = {"torch": 13, "warp-lang": 13}
 
 
@@ -78,13 +89,16 @@ def _requirement_lines(path: Path) -> list[str]:
 
 
 def cuda_majors(path: Path) -> dict[int, list[str]]:
-    """CUDA major -> the lines of ``path`` (includes followed) that pull a build of it."""
+    """CUDA major -> the lines of ``path`` (includes followed) that pull a build of
+    it."""
     import re
 
     found: dict[int, list[str]] = {}
     for line in _requirement_lines(path):
         name = re.split(r"[=<>!~@\[; ]", line, maxsplit=1)[0].lower()
-        majors = {int(m) for m in re.findall(r"(?:-cu|cuda|\+cu|/whl/cu)(\d\d)", line.lower())}
+        majors = {
+            int(m) for m in re.findall(r"(?:-cu|cuda|\+cu|/whl/cu)(\d\d)", line.lower())
+        }
         majors = {m // 10 if m > 20 else m for m in majors}  # cu128 -> 12, cu12 -> 12
         if not majors and name in DEFAULT_WHEEL_CUDA:
             majors = {DEFAULT_WHEEL_CUDA[name]}
@@ -106,7 +120,9 @@ def test_each_gpu_requirements_file_is_the_major_it_names():
     assert set(cuda_majors(ROOT / "requirements-cu12.txt")) == {12}
     assert set(cuda_majors(ROOT / "requirements-cu13.txt")) == {13}
     # the CPU file carries no RAPIDS library, so CI installs nothing it cannot use
-    assert not any("cuml" in line for line in _requirement_lines(ROOT / "requirements.txt"))
+    assert not any(
+        "cuml" in line for line in _requirement_lines(ROOT / "requirements.txt")
+    )
 
 
 def test_the_mixing_check_sees_a_mixed_file(tmp_path):
@@ -115,11 +131,13 @@ def test_the_mixing_check_sees_a_mixed_file(tmp_path):
     assert set(cuda_majors(mixed)) == {12, 13}
 
 
-# ---------------------------------------------------------------- listings in the chapters
+# ---------------------------------------------------------------- listings in the
+# chapters
 
 
 def _listings() -> list:
-    """``(notebook, cell, expression, stored text)`` of every ``show_source(...)`` cell."""
+    """``(notebook, cell, expression, stored text)`` of every ``show_source(...)``
+    cell."""
     import re
 
     found = []
@@ -128,15 +146,21 @@ def _listings() -> list:
         for i, cell in enumerate(nb.cells):
             m = re.search(r"show_source\(([\w.]+)\)", cell.source)
             if cell.cell_type == "code" and m:
-                stored = "".join(o["data"]["text/plain"] for o in cell.outputs if "data" in o)
-                found.append(pytest.param(path.name, i, m.group(1), stored, id=f"{path.stem}-{i}"))
+                stored = "".join(
+                    o["data"]["text/plain"] for o in cell.outputs if "data" in o
+                )
+                found.append(
+                    pytest.param(
+                        path.name, i, m.group(1), stored, id=f"{path.stem}-{i}"
+                    )
+                )
     return found
 
 
 @pytest.mark.parametrize("name, cell, expression, stored", _listings())
 def test_stored_listings_show_the_package_as_it_is(name, cell, expression, stored):
-    # A chapter's listing of package code is an output: it must be re-executed when the code
-    # changes, or the page shows code that no longer exists.
+    # A chapter's listing of package code is an output: it must be re-executed when the
+    # code changes, or the page shows code that no longer exists.
     import inspect
 
     pytest.importorskip("warp")
@@ -150,8 +174,11 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
     names = {"ek": ek, "graphs": graphs, "wi": wi, "warp_backend": warp_backend}
     names.update(interop=interop, kernels=kernels, warp_ops=warp_ops)
     obj = eval(expression, names)
-    source = inspect.getsource(getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj)
+    source = inspect.getsource(
+        getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj
+    )
     assert source.rstrip() == stored.rstrip(), (
-        f"{name}, cell {cell}: the listing of {expression} is not the package's code any more; "
+        f"{name}, cell {cell}: the listing of {expression} is not the package's code "
+        "any more; "
         "re-execute the chapter"
     )

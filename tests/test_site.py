@@ -1,7 +1,9 @@
-"""Every page of the built website, opened in headless Chromium as a reader's browser would.
+"""Every page of the built website, opened in headless Chromium as a reader's browser
+would.
 
 Offline: every request that is not file:// is aborted (and not counted), but any file://
-resource that fails to load is. Each page is loaded once, at 1280 x 900, for all the checks.
+resource that fails to load is. Each page is loaded once, at 1280 x 900, for all the
+checks.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import pytest
 from conftest import toc_files
 
 try:
-    from playwright.sync_api import Browser, ConsoleMessage, Page, Request, Route, sync_playwright
+    from playwright.sync_api import (
+        Browser,
+        ConsoleMessage,
+        Page,
+        Request,
+        Route,
+        sync_playwright,
+    )
 except ImportError:  # reported by the `browser` fixture
     sync_playwright = None
 
@@ -31,8 +40,9 @@ CHROMIUM = shutil.which("chromium")
 VIEWPORT = {"width": 1280, "height": 900}
 COLUMN = "article.bd-article"  # the sphinx-book-theme's content column
 WIDE = "table, pre, div.highlight, div.cell_output, div.output"
-# myst-nb renders a missing glue key as nothing at all (only the build warns), so the glue check
-# also counts the {glue:text} roles of the page's source against the values pasted in the page.
+# myst-nb renders a missing glue key as nothing at all (only the build warns), so the
+# glue check also counts the {glue:text} roles of the page's source against the values
+# pasted in the page.
 GLUE_MARKERS = ("{glue:", "glue:text")
 GLUE_ROLE = re.compile(r"\{glue:text\}`[^`]+`")
 
@@ -57,13 +67,18 @@ def _offline(route: Route) -> None:
 def _watch(page: Page, errors: list[str]) -> None:
     """Record the page's console errors, uncaught exceptions and failed file:// loads.
 
-    A blocked non-file request fails with net::ERR_FAILED and logs a console error: not recorded.
+    A blocked non-file request fails with net::ERR_FAILED and logs a console error: not
+    recorded.
     """
 
     def console(msg: ConsoleMessage) -> None:
         url = msg.location.get("url", "")
-        if msg.type == "error" and not ("net::ERR_FAILED" in msg.text and url.startswith("http")):
-            errors.append(f"console error: {msg.text} (at {url}:{msg.location.get('lineNumber')})")
+        if msg.type == "error" and not (
+            "net::ERR_FAILED" in msg.text and url.startswith("http")
+        ):
+            errors.append(
+                f"console error: {msg.text} (at {url}:{msg.location.get('lineNumber')})"
+            )
 
     def failed(request: Request) -> None:
         if request.url.startswith("file:"):
@@ -80,9 +95,15 @@ def _anchors(html_file: Path) -> frozenset[str]:
     found: set[str] = set()
 
     class Collect(HTMLParser):
-        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        def handle_starttag(
+            self, tag: str, attrs: list[tuple[str, str | None]]
+        ) -> None:
             a = dict(attrs)
-            found.update(v for k, v in a.items() if v and (k == "id" or (tag, k) == ("a", "name")))
+            found.update(
+                v
+                for k, v in a.items()
+                if v and (k == "id" or (tag, k) == ("a", "name"))
+            )
 
     Collect().feed(html_file.read_text(encoding="utf-8"))
     return frozenset(found)
@@ -93,12 +114,15 @@ def _glue_roles(source: Path) -> int:
     text = source.read_text(encoding="utf-8")
     if source.suffix == ".ipynb":
         cells = json.loads(text)["cells"]
-        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        text = "\n".join(
+            "".join(c["source"]) for c in cells if c["cell_type"] == "markdown"
+        )
     return len(GLUE_ROLE.findall(text))
 
 
 def _fail_if(problems: list[str], what: str) -> None:
-    """Fail, one line per problem, under a heading that names the page, if there are any."""
+    """Fail, one line per problem, under a heading that names the page, if there are
+    any."""
     if problems:
         pytest.fail(f"{what}:\n  " + "\n  ".join(problems), pytrace=False)
 
@@ -108,15 +132,21 @@ def browser() -> Iterator[Browser]:
     """Debian's chromium, driven by playwright; under CI its absence is a failure."""
     missing = None
     if sync_playwright is None:
-        missing = "the Python package playwright is not installed (pip install playwright)"
+        missing = (
+            "the Python package playwright is not installed (pip install playwright)"
+        )
     elif CHROMIUM is None:
         missing = "Debian's chromium is not installed (apt-get install -y chromium)"
     if missing:
         if os.environ.get("CI"):
-            pytest.fail(f"{missing}: CI must check the website in a browser", pytrace=False)
+            pytest.fail(
+                f"{missing}: CI must check the website in a browser", pytrace=False
+            )
         pytest.skip(missing)
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
+        chromium = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox"], headless=True
+        )
         yield chromium
         chromium.close()
 
@@ -148,11 +178,6 @@ def test_every_image_loads(opened: Opened):
     _fail_if(broken, f"{opened.path}: images that did not load")
 
 
-@pytest.mark.xfail(
-    reason="not yet laid out for the 688-px column: listings of the package's 100-character "
-    "lines, one-line reprs and error messages, and wide tables in chapters 3 and 5-7",
-    strict=False,
-)
 def test_nothing_overflows_the_content_column(opened: Opened):
     wide = opened.page.evaluate(
         r"""([column, selectors]) => {
@@ -162,12 +187,15 @@ def test_nothing_overflows_the_content_column(opened: Opened):
             return Array.from(col.querySelectorAll(selectors)).flatMap(el => {
                 const box = el.getBoundingClientRect(), right = Math.round(box.right);
                 const why = [`width ${Math.round(box.width)}px`];
-                if (right > edge + 1) why.push(`right edge ${right}px > column's ${edge}px`);
+                if (right > edge + 1)
+                    why.push(`right edge ${right}px > column's ${edge}px`);
                 if (el.scrollWidth > el.clientWidth + 1)
-                    why.push(`scrollWidth ${el.scrollWidth}px > clientWidth ${el.clientWidth}px`);
+                    why.push(`scrollWidth ${el.scrollWidth}px`
+                        + ` > clientWidth ${el.clientWidth}px`);
                 const tag = `<${el.tagName.toLowerCase()} class="${el.className}">`;
                 const text = el.innerText.replace(/\s+/g, ' ').trim().slice(0, 60);
-                return why.length > 1 ? [`${tag} ${JSON.stringify(text)}: ${why.join(', ')}`] : [];
+                return why.length > 1
+                    ? [`${tag} ${JSON.stringify(text)}: ${why.join(', ')}`] : [];
             });
         }""",
         [COLUMN, WIDE],
@@ -193,7 +221,9 @@ def test_internal_links_resolve(opened: Opened, built_site: Path):
             broken.append(f"{href}: no such file in the site")
         elif parts.fragment and target.suffix == ".html":
             if unquote(parts.fragment) not in _anchors(target):
-                broken.append(f"{href}: no id {unquote(parts.fragment)!r} in {target.name}")
+                broken.append(
+                    f"{href}: no id {unquote(parts.fragment)!r} in {target.name}"
+                )
     _fail_if(broken, f"{opened.path}: broken internal links")
 
 
@@ -206,7 +236,9 @@ def test_no_unresolved_glue(opened: Opened, built_site: Path):
     pasted = opened.page.locator(f"{COLUMN} .pasted-text").count()
     if pasted != roles:
         problems.append(
-            f"{roles} {{glue:text}} roles in the source but {pasted} values in the page: "
-            "a missing glue key renders as nothing (see the build's mystnb.glue warnings)"
+            f"{roles} {{glue:text}} roles in the source but {pasted} values in the "
+            "page: "
+            "a missing glue key renders as nothing (see the build's mystnb.glue "
+            "warnings)"
         )
     _fail_if(problems, f"{opened.path}: unresolved glue")

@@ -1,4 +1,5 @@
-"""Timing, profiling, variants, the benchmark and execute commands, and notebook helpers."""
+"""Timing, profiling, variants, the benchmark and execute commands, and notebook
+helpers."""
 
 import json
 import math
@@ -48,10 +49,22 @@ def _rows():
     nan = math.nan
     return [
         timing.Timing(
-            "base", forward_ms=10.0, train_ms=40.0, peak_mb=nan, hardware="CPU", n_ref=1, n_query=1
+            "base",
+            forward_ms=10.0,
+            train_ms=40.0,
+            peak_mb=nan,
+            hardware="CPU",
+            n_ref=1,
+            n_query=1,
         ),
         timing.Timing(
-            "fast", forward_ms=2.5, train_ms=10.0, peak_mb=nan, hardware="CPU", n_ref=1, n_query=1
+            "fast",
+            forward_ms=2.5,
+            train_ms=10.0,
+            peak_mb=nan,
+            hardware="CPU",
+            n_ref=1,
+            n_query=1,
         ),
         {
             "variant": "slow",
@@ -83,10 +96,22 @@ def test_timings_frame_is_indexed_by_variant():
 
 def test_timings_frame_reports_median_and_spread_of_repeated_runs():
     rows = [
-        {"variant": "v", "forward_ms": f, "train_ms": t, "first_call_s": c, "hardware": "CPU"}
+        {
+            "variant": "v",
+            "forward_ms": f,
+            "train_ms": t,
+            "first_call_s": c,
+            "hardware": "CPU",
+        }
         for f, t, c in [(3.0, 30.0, 9.0), (1.0, 10.0, math.nan), (2.0, 50.0, math.nan)]
     ] + [
-        {"variant": "w", "forward_ms": 4.0, "train_ms": 8.0, "first_call_s": 1.0, "hardware": "CPU"}
+        {
+            "variant": "w",
+            "forward_ms": 4.0,
+            "train_ms": 8.0,
+            "first_call_s": 1.0,
+            "hardware": "CPU",
+        }
     ]
     df = timing.timings_frame(rows, baseline="v")
     v = df.loc["v"]
@@ -110,12 +135,20 @@ def test_timings_frame_without_a_present_baseline_has_no_speedups(baseline):
 def knn_kernels():
     p_ref = extkernels.reference_cloud(500)
     p_query = extkernels.query_grid(6)
-    prof = profiling.profile(lambda: extkernels.knn(p_query, p_ref, 7), device=CPU, n_iters=2)
+    prof = profiling.profile(
+        lambda: extkernels.knn(p_query, p_ref, 7), device=CPU, n_iters=2
+    )
     return profiling.top_kernels(prof)
 
 
 def test_top_kernels_columns(knn_kernels):
-    assert list(knn_kernels.columns) == ["name", "time (ms)", "share (%)", "calls", "memory (MB)"]
+    assert list(knn_kernels.columns) == [
+        "name",
+        "time (ms)",
+        "share (%)",
+        "calls",
+        "memory (MB)",
+    ]
 
 
 def test_top_kernels_is_not_empty_and_capped(knn_kernels):
@@ -139,7 +172,9 @@ def test_top_kernels_show_topk(knn_kernels):
 def test_top_kernels_counts_calls_per_iteration():
     p_ref = extkernels.reference_cloud(50)
     p_query = extkernels.query_grid(3)
-    prof = profiling.profile(lambda: extkernels.knn(p_query, p_ref, 3), device=CPU, n_iters=3)
+    prof = profiling.profile(
+        lambda: extkernels.knn(p_query, p_ref, 3), device=CPU, n_iters=3
+    )
     df = profiling.top_kernels(prof, top=50)
     assert df.loc[df["name"] == "aten::topk", "calls"].tolist() == [1]
 
@@ -264,7 +299,12 @@ def test_run_all_fresh_runs_every_variant_in_its_own_process(monkeypatch):
     def fake_isolated(name, *, cold=True):
         own_process.append(name)
         return [
-            {"variant": name, "workload": name.split("/")[0], "forward_ms": 2.0, "train_ms": 2.0}
+            {
+                "variant": name,
+                "workload": name.split("/")[0],
+                "forward_ms": 2.0,
+                "train_ms": 2.0,
+            }
         ]
 
     monkeypatch.setattr(V, "run", fake_run)
@@ -283,7 +323,14 @@ def test_run_all_repeats_every_variant_in_fresh_processes_cold_first(monkeypatch
     def fake_isolated(name, *, cold=True):
         calls.append((name, cold))
         ms = 1.0 + sum(c[0] == name for c in calls)  # 2, 3, 4 ms for runs 1, 2, 3
-        return [{"variant": name, "workload": "radius", "forward_ms": ms, "train_ms": 2 * ms}]
+        return [
+            {
+                "variant": name,
+                "workload": "radius",
+                "forward_ms": ms,
+                "train_ms": 2 * ms,
+            }
+        ]
 
     monkeypatch.setattr(benchmark, "_run_isolated", fake_isolated)
     names = ["radius/torch", "radius/warp"]
@@ -335,7 +382,9 @@ def test_results_tables_from_a_benchmark_file(tmp_path):
         },
     ]
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"meta": {"hardware": "GPU X", "repeats": 5}, "rows": rows}))
+    path.write_text(
+        json.dumps({"meta": {"hardware": "GPU X", "repeats": 5}, "rows": rows})
+    )
     meta, df = results.load(path)
     assert meta["hardware"] == "GPU X" and list(df.index) == ["knn/torch", "knn/new"]
     book = results.book_table(df, {"knn/torch": 1})
@@ -344,12 +393,20 @@ def test_results_tables_from_a_benchmark_file(tmp_path):
     anchor = results.anchor_table(df)
     assert anchor.loc["knn/torch", "A100 (anchor)"] == "144.0 / 144.8"
     assert anchor.loc["knn/torch", "this book (median)"] == "80 / 81"
-    assert anchor.loc["radius/warp+compile", "this book (median)"] == ""  # not in this file
+    assert (
+        anchor.loc["radius/warp+compile", "this book (median)"] == ""
+    )  # not in this file
 
 
 def test_summary_is_narrow_and_says_median_and_range():
     rows = [
-        {"variant": "v", "forward_ms": f, "train_ms": 2 * f, "peak_mb": 10.0, "hardware": "CPU"}
+        {
+            "variant": "v",
+            "forward_ms": f,
+            "train_ms": 2 * f,
+            "peak_mb": 10.0,
+            "hardware": "CPU",
+        }
         for f in (1.0, 2.0, 4.0)
     ]
     out = timing.summary(timing.timings_frame(rows))
@@ -362,7 +419,12 @@ def test_benchmark_merge_refuses_files_of_two_machines(tmp_path):
     paths = []
     for hardware in ("GPU A", "GPU B"):
         path = tmp_path / f"{hardware}.json"
-        run = {"variant": "knn/torch", "workload": "knn", "forward_ms": 1.0, "train_ms": 2.0}
+        run = {
+            "variant": "knn/torch",
+            "workload": "knn",
+            "forward_ms": 1.0,
+            "train_ms": 2.0,
+        }
         meta = {"hardware": hardware, "date": "today"}
         path.write_text(json.dumps({"meta": meta, "rows": [], "runs": [run]}))
         paths.append(str(path))
@@ -376,7 +438,9 @@ def test_benchmark_merge_refuses_files_of_two_machines(tmp_path):
     "b_runs, expected",
     [((3.0, 4.0), "faster than"), ((0.1, 0.5), "slower than"), ((1.5, 9.0), "within")],
 )
-def test_verdict_claims_a_difference_only_when_the_ranges_do_not_overlap(b_runs, expected):
+def test_verdict_claims_a_difference_only_when_the_ranges_do_not_overlap(
+    b_runs, expected
+):
     rows = [{"variant": "a", "forward_ms": f, "train_ms": f} for f in (1.0, 2.0)]
     rows += [{"variant": "b", "forward_ms": f, "train_ms": f} for f in b_runs]
     assert timing.verdict(timing.timings_frame(rows), "a", "b").startswith(expected)

@@ -1,5 +1,6 @@
-"""What is specific to the ``torch`` backend (the conformance suite, tests/test_backends.py,
-covers what every backend must do): slicing the queries, and float64 gradient checks."""
+"""What is specific to the ``torch`` backend (the conformance suite,
+tests/test_backends.py, covers what every backend must do): slicing the queries, and
+float64 gradient checks."""
 
 import pytest
 import torch
@@ -70,17 +71,21 @@ def test_radius_aggregate_gradcheck_in_feats(chunk_size):
     feats = extkernels.features(30, 3, seed=1).double().requires_grad_()
 
     def fn(f):
-        return brute_force.radius_aggregate(p_query, p_ref, f, 1.5, 0.5, chunk_size=chunk_size)
+        return brute_force.radius_aggregate(
+            p_query, p_ref, f, 1.5, 0.5, chunk_size=chunk_size
+        )
 
     assert torch.autograd.gradcheck(fn, (feats,))
 
 
 def test_radius_weights_do_not_underflow_when_neighbours_are_many_sigmas_away():
-    # exp(-d / sigma) is 0 in float32 for d / sigma > ~103: the shift by the nearest distance
-    # keeps the normalised weights exact.
+    # exp(-d / sigma) is 0 in float32 for d / sigma > ~103: the shift by the nearest
+    # distance keeps the normalised weights exact.
     p_ref = torch.tensor([[0.0, 0.0, 0.0], [0.05, 0.0, 0.0]])
     query = torch.tensor([[1.2, 0.0, 0.0]])
     feats = torch.tensor([[1.0], [2.0]])
     out = extkernels.radius_aggregate(query, p_ref, feats, 1.5, 0.01)
-    w_far = 1.0 / (1.0 + torch.exp(torch.tensor(5.0)).item())  # exp(-(1.2 - 1.15) / 0.01)
+    w_far = 1.0 / (
+        1.0 + torch.exp(torch.tensor(5.0)).item()
+    )  # exp(-(1.2 - 1.15) / 0.01)
     torch.testing.assert_close(out, torch.tensor([[1.0 * w_far + 2.0 * (1 - w_far)]]))

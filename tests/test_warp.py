@@ -2,9 +2,9 @@
 descriptors and recorded launches, threads, streams and synchronisation (the conformance
 suite, tests/test_backends.py, covers what every backend must do).
 
-Runs on the CPU (Warp's CPU device) and, where CUDA is available, on the GPU as well. Warp
-compiles its kernels once per machine and device (cached in ~/.cache/warp), so only the first
-run of this file pays for it.
+Runs on the CPU (Warp's CPU device) and, where CUDA is available, on the GPU as well.
+Warp compiles its kernels once per machine and device (cached in ~/.cache/warp), so only
+the first run of this file pays for it.
 """
 
 import subprocess
@@ -40,13 +40,16 @@ GRID_SIDE = 5
 N_FEATS = 25
 RADIUS = 0.3
 SIGMA = 0.1
-# float32 sums of a handful of weighted features in a different order than torch's matmul
+# float32 sums of a handful of weighted features in a different order than torch's
+# matmul
 ATOL = RTOL = 1e-5
-FAR = 10.0  # a query this far from the (standard normal) cloud has no neighbour within RADIUS
+# A query this far from the (standard normal) cloud has no neighbour within RADIUS.
+FAR = 10.0
 
 
 def problem(device, n_feats=N_FEATS):
-    """400 reference points with two duplicated pairs, a 5^3 query grid plus one far query."""
+    """400 reference points with two duplicated pairs, a 5^3 query grid plus one far
+    query."""
     p_ref = extkernels.reference_cloud(N_REF, seed=0)
     p_ref[1] = p_ref[0]
     p_ref[3] = p_ref[2]
@@ -65,13 +68,16 @@ BACKWARD_OPS = ["radius_aggregate_backward", "radius_aggregate_backward_manual"]
 
 def reference_grad(p_query, p_ref, feats, grad_out, dtype):
     f = feats.to(dtype).requires_grad_(True)
-    out = torch_backend.radius_aggregate(p_query.to(dtype), p_ref.to(dtype), f, RADIUS, SIGMA)
+    out = torch_backend.radius_aggregate(
+        p_query.to(dtype), p_ref.to(dtype), f, RADIUS, SIGMA
+    )
     (g,) = torch.autograd.grad(out, f, grad_out.to(dtype))
     return out.detach(), g
 
 
 def assert_float32_reference_grad(grad, p_query, p_ref, feats, grad_out):
-    """``grad`` is the gradient w.r.t. ``feats`` that the torch reference gives in float32."""
+    """``grad`` is the gradient w.r.t. ``feats`` that the torch reference gives in
+    float32."""
     _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
     torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL)
 
@@ -110,7 +116,9 @@ def test_importing_the_package_does_not_import_warp():
         "import sys, torch, extkernels; "
         "print('warp' in sys.modules, hasattr(torch.ops.warp, 'radius_aggregate'))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["False", "True"]
 
 
@@ -134,7 +142,8 @@ def test_gradient_matches_torch_reference(device, kind, backward_calls):
     _, expected32 = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
     _, expected64 = reference_grad(p_query, p_ref, feats, grad_out, torch.float64)
     torch.testing.assert_close(grad, expected32, atol=ATOL, rtol=RTOL)
-    # gradcheck needs float64 and the op is float32 only: compare with the float64 reference
+    # gradcheck needs float64 and the op is float32 only: compare with the float64
+    # reference
     torch.testing.assert_close(grad.double(), expected64, atol=ATOL, rtol=RTOL)
     assert grad.abs().sum() > 0
 
@@ -167,7 +176,11 @@ def test_gradient_of_a_broadcast_output_gradient(device):
     f = feats.clone().requires_grad_(True)
     warp_op(p_query, p_ref, f).sum().backward()
     _, expected = reference_grad(
-        p_query, p_ref, feats, torch.ones(p_query.shape[0], N_FEATS, device=device), torch.float32
+        p_query,
+        p_ref,
+        feats,
+        torch.ones(p_query.shape[0], N_FEATS, device=device),
+        torch.float32,
     )
     torch.testing.assert_close(f.grad, expected, atol=ATOL, rtol=RTOL)
 
@@ -215,7 +228,9 @@ def test_a_cloud_changed_in_place_does_not_reuse_its_old_grid(device):
     grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
     cloud = p_ref.clone()
     with torch.no_grad():
-        warp_op(p_query, cloud, feats)  # leaves a grid over the old contents in the cache
+        warp_op(
+            p_query, cloud, feats
+        )  # leaves a grid over the old contents in the cache
     cloud.mul_(0.5)  # same memory, new contents (and a new version counter)
     for op in (torch.ops.warp.radius_aggregate, torch.ops.warp.radius_aggregate_manual):
         torch.testing.assert_close(
@@ -228,16 +243,20 @@ def test_a_cloud_changed_in_place_does_not_reuse_its_old_grid(device):
     with torch.no_grad():
         warp_op(p_query, cloud, feats)
     cloud.mul_(2.0)
-    grad = torch.ops.warp.radius_aggregate_backward(grad_out, p_query, cloud, feats, RADIUS, SIGMA)
+    grad = torch.ops.warp.radius_aggregate_backward(
+        grad_out, p_query, cloud, feats, RADIUS, SIGMA
+    )
     assert_float32_reference_grad(grad, p_query, cloud, feats, grad_out)
-    assert wb.grid_cache_size() == 1  # the stale grid was not taken (the LRU evicts it later)
+    assert (
+        wb.grid_cache_size() == 1
+    )  # the stale grid was not taken (the LRU evicts it later)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("second", ["other queries", "other sigma"])
 def test_backward_of_an_earlier_forward_over_the_same_cloud(device, second):
-    # Two forwards share p_ref but not the normalisers: the backward of the first must not
-    # take what the second left in the cache.
+    # Two forwards share p_ref but not the normalisers: the backward of the first must
+    # not take what the second left in the cache.
     p_query, p_ref, feats = problem(device)
     grad_out = torch.randn(p_query.shape[0], N_FEATS, device=device)
     f = feats.clone().requires_grad_(True)
@@ -252,8 +271,9 @@ def test_backward_of_an_earlier_forward_over_the_same_cloud(device, second):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_walk_forward_leaves_the_normaliser_kernels_values(device):
-    # The forward's fused kernel stores shift and 1 / sum for the backward; the backward's
-    # rebuild path computes them with the `normaliser` kernel. Both must agree.
+    # The forward's fused kernel stores shift and 1 / sum for the backward; the
+    # backward's rebuild path computes them with the `normaliser` kernel. Both must
+    # agree.
     p_query, p_ref, feats = problem(device)
     with torch.no_grad():
         warp_op(p_query, p_ref, feats)
@@ -264,14 +284,18 @@ def test_one_walk_forward_leaves_the_normaliser_kernels_values(device):
     interop.launch(wops.kernels().normaliser, (p_query.shape[0],), args, where)
     for stored, recomputed in zip(entry.norms, fresh.norms, strict=True):
         torch.testing.assert_close(stored, recomputed, atol=1e-6, rtol=1e-6)
-    assert float(entry.norms[1][-1]) == pytest.approx(1 / torch.finfo(torch.float32).tiny)
+    assert float(entry.norms[1][-1]) == pytest.approx(
+        1 / torch.finfo(torch.float32).tiny
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_steady_state_rebuilds_spare_grids_instead_of_allocating(device, monkeypatch):
     p_query, p_ref, feats = problem(device)
     wp = wb.init()
-    step = lambda: warp_op(p_query, p_ref, feats.clone().requires_grad_(True)).sum().backward()  # noqa: E731
+    step = lambda: (
+        warp_op(p_query, p_ref, feats.clone().requires_grad_(True)).sum().backward()
+    )  # noqa: E731
     for _ in range(3):
         step()
     created = []
@@ -292,14 +316,26 @@ def test_steady_state_rebuilds_spare_grids_instead_of_allocating(device, monkeyp
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cached_descriptors_equal_fresh_ones(device):
-    # A cached descriptor stands for address, shape, strides and dtype, and nothing else.
+    # A cached descriptor stands for address, shape, strides and dtype, and nothing
+    # else.
     wp = wb.init()
     p_query, p_ref, feats = problem(device)
 
     def fields(d):
-        return d.data, d.grad, d.ndim, tuple(d.shape[: d.ndim]), tuple(d.strides[: d.ndim])
+        return (
+            d.data,
+            d.grad,
+            d.ndim,
+            tuple(d.shape[: d.ndim]),
+            tuple(d.strides[: d.ndim]),
+        )
 
-    for t, dtype in ((p_ref, wp.vec3), (feats, None), (feats[:7], None), (p_ref[1:], wp.vec3)):
+    for t, dtype in (
+        (p_ref, wp.vec3),
+        (feats, None),
+        (feats[:7], None),
+        (p_ref[1:], wp.vec3),
+    ):
         cached = interop.descriptor(t, dtype)
         assert interop.descriptor(t, dtype) is cached
         fresh = wp.from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
@@ -312,10 +348,17 @@ def test_cached_descriptors_equal_fresh_ones(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_recorded_launch_follows_changed_arguments(device):
-    # A replayed launch writes only the arguments that changed: new tensors at new addresses,
-    # a new sigma, a tensor at an address seen before. Each call must match the reference.
+    # A replayed launch writes only the arguments that changed: new tensors at new
+    # addresses, a new sigma, a tensor at an address seen before. Each call must match
+    # the reference.
     p_query, p_ref, feats = problem(device)
-    cases = [(feats, SIGMA), (feats * 2, SIGMA), (feats, 0.05), (feats + 1, 0.05), (feats, SIGMA)]
+    cases = [
+        (feats, SIGMA),
+        (feats * 2, SIGMA),
+        (feats, 0.05),
+        (feats + 1, 0.05),
+        (feats, SIGMA),
+    ]
     for f, sigma in cases:
         got = warp_op(p_query, p_ref, f, sigma=sigma)
         want = torch_backend.radius_aggregate(p_query, p_ref, f, RADIUS, sigma)
@@ -324,8 +367,8 @@ def test_recorded_launch_follows_changed_arguments(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_operators_run_from_several_threads(device):
-    # Recorded launch commands are per thread: concurrent callers must not overwrite each
-    # other's parameters.
+    # Recorded launch commands are per thread: concurrent callers must not overwrite
+    # each other's parameters.
     import threading
 
     p_query, p_ref, feats = problem(device)
@@ -363,18 +406,21 @@ def _opcheck_args(device):
     p_query, p_ref, feats = problem(device, n_feats=3)
     grad_out = torch.randn(p_query.shape[0], 3, device=device)
     forward = (p_query, p_ref, feats.clone().requires_grad_(True), RADIUS, SIGMA)
-    # the backward operators are not differentiable themselves (no double backward): their
-    # inputs do not require grad
+    # the backward operators are not differentiable themselves (no double backward):
+    # their inputs do not require grad
     backward = (grad_out, p_query, p_ref, feats, RADIUS, SIGMA)
-    return {**dict.fromkeys(FORWARD_OPS, forward), **dict.fromkeys(BACKWARD_OPS, backward)}
+    return {
+        **dict.fromkeys(FORWARD_OPS, forward),
+        **dict.fromkeys(BACKWARD_OPS, backward),
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["radius_aggregate_manual"] + BACKWARD_OPS)
 def test_opcheck(device, name):
-    # The forward operator is opchecked by the conformance suite; these are the others. All
-    # of opcheck's default tests apply (schema, autograd registration, fake tensor, AOT
-    # dispatch with dynamic shapes).
+    # The forward operator is opchecked by the conformance suite; these are the others.
+    # All of opcheck's default tests apply (schema, autograd registration, fake tensor,
+    # AOT dispatch with dynamic shapes).
     op = getattr(torch.ops.warp, name).default
     torch.library.opcheck(op, _opcheck_args(device)[name])
 
@@ -384,7 +430,9 @@ def test_opcheck(device, name):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", wb.BACKWARDS)
-def test_compiled_forward_and_backward_without_graph_breaks(device, kind, backward_calls):
+def test_compiled_forward_and_backward_without_graph_breaks(
+    device, kind, backward_calls
+):
     torch._dynamo.reset()
     p_query, p_ref, feats = problem(device, n_feats=4)
     weights = torch.randn(4, device=device)
@@ -407,8 +455,8 @@ def test_compiled_forward_and_backward_without_graph_breaks(device, kind, backwa
         results.append((loss.detach(), f.grad))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=RTOL)
     torch.testing.assert_close(results[1][1], results[0][1], atol=ATOL, rtol=RTOL)
-    # eager and compiled both ran the chosen backward (compiled-graph caches did not mix them
-    # up), and the compiled backward took its grid out of the cache too
+    # eager and compiled both ran the chosen backward (compiled-graph caches did not mix
+    # them up), and the compiled backward took its grid out of the cache too
     assert backward_calls == [kind, kind]
     assert wb.grid_cache_size() == 0
 
@@ -432,13 +480,16 @@ def test_wrong_output_gradient_is_rejected():
 
 
 def test_value_checks_can_be_turned_off():
-    # Without the check a NaN point is never within the radius: it drops out of every sum.
+    # Without the check a NaN point is never within the radius: it drops out of every
+    # sum.
     p_query, p_ref, feats = problem("cpu")
     p_ref[7] = float("nan")
     with value_checks(False):
         out = warp_op(p_query, p_ref, feats)
     keep = torch.arange(N_REF) != 7
-    expected = torch_backend.radius_aggregate(p_query, p_ref[keep], feats[keep], RADIUS, SIGMA)
+    expected = torch_backend.radius_aggregate(
+        p_query, p_ref[keep], feats[keep], RADIUS, SIGMA
+    )
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -457,9 +508,9 @@ def test_unknown_backward_is_rejected():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", wb.BACKWARDS)
 def test_forward_and_backward_do_not_wait_for_the_gpu(kind):
-    # The GPU is kept busy by a long sleep kernel queued first on PyTorch's stream. Had the
-    # forward or the backward waited for the device (PyTorch's or Warp's synchronisation), the
-    # sleep would be over when they return.
+    # The GPU is kept busy by a long sleep kernel queued first on PyTorch's stream. Had
+    # the forward or the backward waited for the device (PyTorch's or Warp's
+    # synchronisation), the sleep would be over when they return.
     p_query, p_ref, feats = problem("cuda")
     f = feats.clone().requires_grad_(True)
 
@@ -470,7 +521,8 @@ def test_forward_and_backward_do_not_wait_for_the_gpu(kind):
     )
 
     def forward_backward():
-        # the operator itself: the public entry point checks values in eager mode (a sync)
+        # the operator itself: the public entry point checks values in eager mode (a
+        # sync)
         op(p_query, p_ref, f, RADIUS, SIGMA).square().sum().backward()
 
     with value_checks(False):  # the one synchronisation there is, by design
@@ -521,7 +573,9 @@ def test_projector_training_step_reduces_the_loss(device, kind):
     p_query, p_ref, _ = problem(device)
     target = extkernels.targets(p_query.shape[0], seed=0, device=device)
     torch.manual_seed(0)
-    model = Projector(RadiusAggregation(RADIUS, SIGMA, backend="warp", backward=kind)).to(device)
+    model = Projector(
+        RadiusAggregation(RADIUS, SIGMA, backend="warp", backward=kind)
+    ).to(device)
     step = make_train_step(model, model.parameters(), p_query, p_ref, target, lr=1e-2)
     losses = [float(step()) for _ in range(8)]
     assert losses[-1] < losses[0]
@@ -529,16 +583,22 @@ def test_projector_training_step_reduces_the_loss(device, kind):
 
 
 def test_weights_do_not_underflow_when_radius_is_many_sigmas():
-    # exp(-d / sigma) is 0 in float32 for d / sigma > ~103; the shift by the nearest distance
-    # keeps the normalised weights exact: both points weigh in, the nearer far more.
+    # exp(-d / sigma) is 0 in float32 for d / sigma > ~103; the shift by the nearest
+    # distance keeps the normalised weights exact: both points weigh in, the nearer far
+    # more.
     p_ref = torch.tensor([[0.0, 0.0, 0.0], [0.05, 0.0, 0.0]])
     p_query = torch.tensor([[1.2, 0.0, 0.0]])
     feats = torch.tensor([[1.0], [2.0]])
     out = warp_op(p_query, p_ref, feats, radius=1.5, sigma=0.01)
-    w_far = 1.0 / (1.0 + torch.exp(torch.tensor(5.0)).item())  # exp(-(1.2 - 1.15) / 0.01)
+    w_far = 1.0 / (
+        1.0 + torch.exp(torch.tensor(5.0)).item()
+    )  # exp(-(1.2 - 1.15) / 0.01)
     torch.testing.assert_close(out, torch.tensor([[1.0 * w_far + 2.0 * (1 - w_far)]]))
     torch.testing.assert_close(
-        out, torch_backend.radius_aggregate(p_query, p_ref, feats, 1.5, 0.01), atol=1e-6, rtol=0
+        out,
+        torch_backend.radius_aggregate(p_query, p_ref, feats, 1.5, 0.01),
+        atol=1e-6,
+        rtol=0,
     )
 
 
@@ -549,12 +609,16 @@ def test_feature_counts_that_do_not_fill_a_chunk(n_feats, kind):
     # receive gradient.
     p_query, p_ref, feats = problem("cpu", n_feats=n_feats)
     f = feats.clone().requires_grad_(True)
-    grad_out = torch.randn(p_query.shape[0], n_feats, generator=torch.Generator().manual_seed(3))
+    grad_out = torch.randn(
+        p_query.shape[0], n_feats, generator=torch.Generator().manual_seed(3)
+    )
     out = extkernels.radius_aggregate(
         p_query, p_ref, f, RADIUS, SIGMA, backend="warp", backward=kind
     )
     out.backward(grad_out)
-    expected, expected_grad = reference_grad(p_query, p_ref, feats, grad_out, torch.float64)
+    expected, expected_grad = reference_grad(
+        p_query, p_ref, feats, grad_out, torch.float64
+    )
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(f.grad.double(), expected_grad, atol=ATOL, rtol=RTOL)
 
@@ -562,7 +626,8 @@ def test_feature_counts_that_do_not_fill_a_chunk(n_feats, kind):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["from_torch", "recorded launch"])
 def test_saxpy_methods_follow_new_tensors_and_sizes(device, method):
-    # A recorded launch must take the new tensors and size of every call, not replay the first.
+    # A recorded launch must take the new tensors and size of every call, not replay the
+    # first.
     for n in (1024, 37, 1024):
         x = torch.randn(n, device=device)
         y = torch.ones(n, device=device)
@@ -574,8 +639,8 @@ def test_saxpy_methods_follow_new_tensors_and_sizes(device, method):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kept_descriptors_keep_no_tensor_alive(device):
-    # wp.from_torch attaches the tensor to its descriptor; the kept ones must not hold it,
-    # or the cache would keep tensors and their autograd graphs (and memory) alive.
+    # wp.from_torch attaches the tensor to its descriptor; the kept ones must not hold
+    # it, or the cache would keep tensors and their autograd graphs (and memory) alive.
     import gc
     import weakref
 
@@ -594,8 +659,8 @@ def test_kept_descriptors_keep_no_tensor_alive(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_kept_descriptor_is_not_reused_for_another_dtype_at_the_same_address(device):
-    # An int64 tensor at the address and shape of an earlier float32 one has twice the byte
-    # strides: a key without the dtype handed it the float32 descriptor.
+    # An int64 tensor at the address and shape of an earlier float32 one has twice the
+    # byte strides: a key without the dtype handed it the float32 descriptor.
     wb.init()
     words = torch.arange(16, dtype=torch.int64, device=device)
     floats = words.view(torch.float32)[:16]
@@ -637,7 +702,8 @@ def test_an_unknown_backward_kind_is_an_error():
         wops._backward_impl(grad_out, p_query, p_ref, feats, RADIUS, SIGMA, "tape")
 
 
-# ---------------------------------------------------------------- the simple hand-over (ctx)
+# ---------------------------------------------------------------- the simple hand-over
+# (ctx)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -648,7 +714,9 @@ def test_saved_handover_gives_the_reference_gradient_and_keeps_no_grid(device):
     out = extkernels.radius_aggregate(
         p_query, p_ref, f, RADIUS, SIGMA, backend="warp", handover="saved"
     )
-    assert wb.grid_cache_size() == 0  # the normalisers travel through ctx, the grid not at all
+    assert (
+        wb.grid_cache_size() == 0
+    )  # the normalisers travel through ctx, the grid not at all
     (grad,) = torch.autograd.grad(out, f, grad_out)
     expected_out, _ = reference_grad(p_query, p_ref, feats, grad_out, torch.float32)
     torch.testing.assert_close(out, expected_out, atol=ATOL, rtol=RTOL)
@@ -658,7 +726,9 @@ def test_saved_handover_gives_the_reference_gradient_and_keeps_no_grid(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_saved_forward_returns_the_normalisers_the_pool_would_keep(device):
     p_query, p_ref, feats = problem(device)
-    _, norms = torch.ops.warp.radius_aggregate_saved(p_query, p_ref, feats, RADIUS, SIGMA)
+    _, norms = torch.ops.warp.radius_aggregate_saved(
+        p_query, p_ref, feats, RADIUS, SIGMA
+    )
     with torch.no_grad():
         warp_op(p_query, p_ref, feats)
     entry = grids.POOL.take(grids.entry_key(p_query, p_ref, RADIUS, SIGMA))
@@ -666,13 +736,17 @@ def test_saved_forward_returns_the_normalisers_the_pool_would_keep(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["radius_aggregate_saved", "radius_aggregate_backward_saved"])
+@pytest.mark.parametrize(
+    "name", ["radius_aggregate_saved", "radius_aggregate_backward_saved"]
+)
 def test_opcheck_saved(device, name):
     p_query, p_ref, feats = problem(device, n_feats=3)
     if name == "radius_aggregate_saved":
         args = (p_query, p_ref, feats.clone().requires_grad_(True), RADIUS, SIGMA)
     else:
-        _, norms = torch.ops.warp.radius_aggregate_saved(p_query, p_ref, feats, RADIUS, SIGMA)
+        _, norms = torch.ops.warp.radius_aggregate_saved(
+            p_query, p_ref, feats, RADIUS, SIGMA
+        )
         grad_out = torch.randn(p_query.shape[0], 3, device=device)
         args = (grad_out, p_query, p_ref, feats, norms, RADIUS, SIGMA)
     torch.library.opcheck(getattr(torch.ops.warp, name).default, args)
@@ -716,8 +790,13 @@ def test_saved_handover_rejects_bad_options_and_normalisers():
             backward="manual",
         )
     grad_out = torch.zeros(p_query.shape[0], N_FEATS)
-    for norms in (torch.zeros(3, p_query.shape[0]), torch.zeros(2, p_query.shape[0]).double()):
-        with pytest.raises(ValueError, match="^norms: expected a float32 tensor of shape"):
+    for norms in (
+        torch.zeros(3, p_query.shape[0]),
+        torch.zeros(2, p_query.shape[0]).double(),
+    ):
+        with pytest.raises(
+            ValueError, match="^norms: expected a float32 tensor of shape"
+        ):
             torch.ops.warp.radius_aggregate_backward_saved(
                 grad_out, p_query, p_ref, feats, norms, RADIUS, SIGMA
             )

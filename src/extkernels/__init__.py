@@ -1,11 +1,12 @@
-"""Companion package of the book: external GPU kernels as PyTorch custom operators (every
-chapter imports it; chapter 1 introduces it).
+"""Companion package of the book: external GPU kernels as PyTorch custom operators
+(every chapter imports it; chapter 1 introduces it).
 
-Organised by role: :mod:`~extkernels.problem` (device and sizes), :mod:`~extkernels.data`,
-:mod:`~extkernels.models`, :mod:`~extkernels.ops` (one entry point per operation, one backend
-per library), :mod:`~extkernels.timing`, :mod:`~extkernels.profiling`,
-:mod:`~extkernels.plotting` and :mod:`~extkernels.variants` (every version of the running
-example, as the benchmark command runs them).
+Organised by role: :mod:`~extkernels.problem` (device and sizes),
+:mod:`~extkernels.data`, :mod:`~extkernels.models`, :mod:`~extkernels.ops` (one entry
+point per operation, one backend per library), :mod:`~extkernels.timing`,
+:mod:`~extkernels.profiling`, :mod:`~extkernels.plotting` and
+:mod:`~extkernels.variants` (every version of the running example, as the benchmark
+command runs them).
 """
 
 from . import memory, reference

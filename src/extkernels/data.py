@@ -1,7 +1,7 @@
 """The running example's data (chapter 1): a Gaussian reference cloud and a query grid.
 
-All tensors are float32 and contiguous; the same seed gives the same cloud on every device,
-because the points are drawn on the CPU and then moved.
+All tensors are float32 and contiguous; the same seed gives the same cloud on every
+device, because the points are drawn on the CPU and then moved.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def reference_cloud(n: int, *, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+def reference_cloud(
+    n: int, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``n`` points drawn from a standard 3-D normal.
 
     Returns:
@@ -33,13 +35,17 @@ def query_grid(side: int, *, device: torch.device | str = "cpu") -> torch.Tensor
         p_query: ``(side**3, 3)`` float32, x varying slowest.
     """
     if side < 1:
-        raise ValueError(f"side: expected a positive number of points per axis, got {side}")
+        raise ValueError(
+            f"side: expected a positive number of points per axis, got {side}"
+        )
     axis = torch.linspace(-1.0, 1.0, side)
     grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), dim=-1)
     return grid.reshape(-1, 3).contiguous().to(device)
 
 
-def targets(m: int, *, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+def targets(
+    m: int, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """One random target feature per query point.
 
     Returns:
@@ -48,7 +54,9 @@ def targets(m: int, *, seed: int = 0, device: torch.device | str = "cpu") -> tor
     return torch.randn(m, 1, generator=_generator(seed + 1)).to(device)
 
 
-def features(n: int, f: int, *, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+def features(
+    n: int, f: int, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Random per-point features, for operator tests and examples.
 
     Returns:

@@ -1,13 +1,14 @@
-"""The execution command: run chapters top to bottom and store their outputs in place (chapter 1
+"""The execution command: run chapters top to bottom and store their outputs in place
+(chapter 1
 onward: every chapter's stored outputs come from it).
 
     python -m extkernels.execute book/                 # every chapter, in order
     python -m extkernels.execute book/01_eager_baseline.ipynb --timeout 900
 
-Each notebook runs in a fresh kernel with its own folder as working directory. A cell that
-raises stops that notebook, which is then left untouched on disk, and the command exits non-zero
-after trying the rest. The stored outputs of the book are produced by this command on the GPU
-machine named in each chapter.
+Each notebook runs in a fresh kernel with its own folder as working directory. A cell
+that raises stops that notebook, which is then left untouched on disk, and the command
+exits non-zero after trying the rest. The stored outputs of the book are produced by
+this command on the GPU machine named in each chapter.
 """
 
 from __future__ import annotations
@@ -32,15 +33,21 @@ def _notebooks(paths: list[str]) -> list[Path]:
         elif p.suffix == ".ipynb":
             found.append(p)
         else:
-            raise SystemExit(f"paths: expected notebooks or folders of notebooks, got {p}")
+            raise SystemExit(
+                f"paths: expected notebooks or folders of notebooks, got {p}"
+            )
     return found
 
 
 def execute(path: Path, *, timeout: int, kernel: str) -> float:
-    """Execute one notebook in place; returns seconds taken. Raises on a failing cell."""
+    """Execute one notebook in place; returns seconds taken. Raises on a failing
+    cell."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(path.parent)}}
+        nb,
+        timeout=timeout,
+        kernel_name=kernel,
+        resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
     client.execute()
@@ -55,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("paths", nargs="+", help="notebooks, or folders holding them")
     ap.add_argument(
-        "--timeout", type=int, default=600, help="seconds per cell (default: %(default)s)"
+        "--timeout",
+        type=int,
+        default=600,
+        help="seconds per cell (default: %(default)s)",
     )
     ap.add_argument(
         "--kernel", default="python3", help="Jupyter kernel name (default: %(default)s)"
@@ -72,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"ok        {path} in {seconds:.0f} s", flush=True)
     if failed:
-        print(f"{len(failed)} notebook(s) failed: {', '.join(map(str, failed))}", file=sys.stderr)
+        print(
+            f"{len(failed)} notebook(s) failed: {', '.join(map(str, failed))}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

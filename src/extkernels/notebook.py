@@ -1,5 +1,5 @@
-"""Helpers for the first cells of every chapter (chapter 1 onward): versions, hardware and
-showing package code."""
+"""Helpers for the first cells of every chapter (chapter 1 onward): versions, hardware
+and showing package code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 __all__ = ["versions", "show_source"]
 
-# (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different names.
+# (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different
+# names.
 _PACKAGES = [
     ("torch", ("torch",)),
     ("triton", ("triton", "pytorch-triton")),
@@ -51,7 +52,8 @@ def _driver() -> str:
 def versions() -> pd.DataFrame:
     """The software and hardware this notebook runs on, one row each."""
     rows = [("python", platform.python_version())]
-    # torch's own version string names its build (+cu130, +cpu); the package metadata may not.
+    # torch's own version string names its build (+cu130, +cpu); the package metadata
+    # may not.
     rows += [
         (label, torch.__version__ if label == "torch" else _version(names))
         for label, names in _PACKAGES
@@ -73,10 +75,11 @@ def versions() -> pd.DataFrame:
 
 
 def show_source(obj) -> object:
-    """The source code of a package function or class, rendered as a highlighted block."""
+    """The source code of a package function or class, rendered as a highlighted
+    block."""
     from IPython.display import Code
 
-    # A torch.library custom operator keeps the decorated Python function as _init_fn, a Warp
-    # kernel or function as func.
+    # A torch.library custom operator keeps the decorated Python function as _init_fn, a
+    # Warp kernel or function as func.
     fn = getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj
     return Code(inspect.getsource(fn), language="python")

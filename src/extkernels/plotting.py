@@ -1,7 +1,8 @@
 """Plots of the book, all from timing DataFrames (chapter 1 onward; see
 :mod:`extkernels.timing`).
 
-Every figure names the hardware it was measured on in its title, so a reader never has to guess.
+Every figure names the hardware it was measured on in its title, so a reader never has
+to guess.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ def _spread(df: pd.DataFrame, metric: str):
 
 
 def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = False):
-    """Grouped horizontal bars of forward and training milliseconds per variant: medians of
-    repeated runs, with whiskers from the fastest to the slowest run where the frame has
-    them (see :func:`extkernels.timing.timings_frame`).
+    """Grouped horizontal bars of forward and training milliseconds per variant: medians
+    of repeated runs, with whiskers from the fastest to the slowest run where the frame
+    has them (see :func:`extkernels.timing.timings_frame`).
 
     Args:
         df: indexed by variant, with ``forward_ms`` and ``train_ms`` columns.
@@ -81,7 +82,9 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     note = f", median of {runs} runs, whiskers min-max" if runs > 1 else ""
     ax.set_title(f"{title} — {hardware}{note}", fontsize=9)
     # Below the axes, where it covers no bar.
-    fig.legend(handles=[bars_f, bars_t], loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.legend(
+        handles=[bars_f, bars_t], loc="lower center", ncol=2, fontsize=8, frameon=False
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
@@ -109,7 +112,8 @@ def scaling_plot(
 
 
 def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
-    """Kernels and host waits of :func:`extkernels.profiling.timeline` as horizontal bars.
+    """Kernels and host waits of :func:`extkernels.profiling.timeline` as horizontal
+    bars.
 
     Returns:
         The matplotlib figure.

@@ -1,8 +1,9 @@
-"""``torch.profiler`` results as tables (chapter 1 introduces them; every chapter reuses them).
+"""``torch.profiler`` results as tables (chapter 1 introduces them; every chapter reuses
+them).
 
-:func:`profile` runs a function a few times under the profiler; :func:`top_kernels` turns the
-result into a DataFrame of the operators that spend the most device time (on the CPU: CPU time),
-with their share of the total, call count and memory.
+:func:`profile` runs a function a few times under the profiler; :func:`top_kernels`
+turns the result into a DataFrame of the operators that spend the most device time (on
+the CPU: CPU time), with their share of the total, call count and memory.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ __all__ = [
 ]
 
 
-def profile(fn: Callable[[], object], *, device: torch.device, n_iters: int = 3, warmup: int = 1):
-    """Run ``fn`` ``warmup`` times untraced, then ``n_iters`` times under ``torch.profiler``.
+def profile(
+    fn: Callable[[], object], *, device: torch.device, n_iters: int = 3, warmup: int = 1
+):
+    """Run ``fn`` ``warmup`` times untraced, then ``n_iters`` times under
+    ``torch.profiler``.
 
     Returns:
         The finished ``torch.profiler.profile`` object, with ``n_iters`` stored on it.
@@ -57,9 +61,10 @@ def _short(name: str, width: int = 60) -> str:
 def top_kernels(prof, top: int = 8) -> pd.DataFrame:
     """The operators that spend the most time, per iteration.
 
-    On a GPU the time is the *self device time* of each operator (the kernels it launched
-    itself; inductor's generated Triton kernels appear under their own names); on the CPU it is
-    the self CPU time. ``share`` is the fraction of the total of that column.
+    On a GPU the time is the *self device time* of each operator (the kernels it
+    launched itself; inductor's generated Triton kernels appear under their own names);
+    on the CPU it is the self CPU time. ``share`` is the fraction of the total of that
+    column.
 
     Returns:
         DataFrame with columns ``name``, ``time (ms)``, ``share (%)``, ``calls``,
@@ -90,10 +95,12 @@ def stacked(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 
 def generated_kernels(fn, *args) -> list[str]:
-    """Names of the kernels inductor generates when compiling ``fn(*args)`` from scratch.
+    """Names of the kernels inductor generates when compiling ``fn(*args)`` from
+    scratch.
 
     Inductor names a fused kernel after the operations it fused (for example
-    ``triton_red_fused_linalg_vector_norm_sub_0`` on a GPU, ``cpp_fused_...`` on the CPU).
+    ``triton_red_fused_linalg_vector_norm_sub_0`` on a GPU, ``cpp_fused_...`` on the
+    CPU).
     """
     import re
 
@@ -115,16 +122,22 @@ _SYNC_CALLS = (
 )
 
 
-# Runtime calls during which the host waits for the device (cudaFree synchronises it too).
-_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaFree")
+# Runtime calls during which the host waits for the device (cudaFree synchronises it
+# too).
+_WAITS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaFree",
+)
 
 
 def runtime_calls(prof, names: tuple[str, ...] = _SYNC_CALLS) -> pd.DataFrame:
     """CUDA runtime calls that make the host wait (or allocate), per iteration.
 
     Returns:
-        DataFrame with ``name``, ``calls``, ``host time (ms)``, one row per runtime function
-        whose name starts with one of ``names`` (empty on the CPU).
+        DataFrame with ``name``, ``calls``, ``host time (ms)``, one row per runtime
+        function whose name starts with one of ``names`` (empty on the CPU).
     """
     n = getattr(prof, "n_iters", 1)
     rows = [
@@ -133,15 +146,19 @@ def runtime_calls(prof, names: tuple[str, ...] = _SYNC_CALLS) -> pd.DataFrame:
         if e.key.startswith(names)
     ]
     df = pd.DataFrame(rows, columns=["name", "calls", "host time (ms)"])
-    return df.sort_values("host time (ms)", ascending=False).reset_index(drop=True).round(3)
+    return (
+        df.sort_values("host time (ms)", ascending=False)
+        .reset_index(drop=True)
+        .round(3)
+    )
 
 
 def timeline(prof) -> pd.DataFrame:
     """Device kernels and host synchronisations of a GPU profile, on one time axis.
 
     Returns:
-        DataFrame with ``lane`` (``GPU kernels`` or ``host waits``), ``name``, ``start_ms`` and
-        ``end_ms`` relative to the first event.
+        DataFrame with ``lane`` (``GPU kernels`` or ``host waits``), ``name``,
+        ``start_ms`` and ``end_ms`` relative to the first event.
     """
     rows = []
     for e in prof.events():
@@ -160,7 +177,8 @@ def timeline(prof) -> pd.DataFrame:
 
 
 def gpu_busy_fraction(tl: pd.DataFrame) -> float:
-    """Fraction of the span of a :func:`timeline` during which at least one kernel runs."""
+    """Fraction of the span of a :func:`timeline` during which at least one kernel
+    runs."""
     k = tl[tl["lane"] == "GPU kernels"].sort_values("start_ms")
     if k.empty:
         return float("nan")
@@ -177,4 +195,7 @@ def gpu_busy_fraction(tl: pd.DataFrame) -> float:
 def kernels_per_iteration(prof) -> float:
     """Number of device kernels (and memsets/copies) launched per profiled iteration."""
     n = getattr(prof, "n_iters", 1)
-    return sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / n
+    return (
+        sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
+        / n
+    )

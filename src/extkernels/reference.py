@@ -1,8 +1,9 @@
-"""Independent references and ``validate_*`` checks used by the chapters (chapter 1 onward).
+"""Independent references and ``validate_*`` checks used by the chapters (chapter 1
+onward).
 
-The kNN reference is SciPy's k-d tree in float64 on the CPU, so it shares no code with any
-backend. Each ``validate_*`` function returns True or raises ``AssertionError`` saying what is
-wrong, so a notebook cell can end on it and nbval can check the ``True``.
+The kNN reference is SciPy's k-d tree in float64 on the CPU, so it shares no code with
+any backend. Each ``validate_*`` function returns True or raises ``AssertionError``
+saying what is wrong, so a notebook cell can end on it and nbval can check the ``True``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import torch
 
 __all__ = ["knn_reference", "validate_knn", "validate_close", "published"]
 
-# Figures published by the tutorial this book grows from (one A100, ms per iteration, forward /
-# training step), and the same straightforward code measured on an H200 with torch 2.11, under
-# the names of the book's variants that do the same thing (the anchor's cuML with a graph break
-# is knn/cuml+compile; its shared RMM pool sits under the compiled custom operator).
+# Figures published by the tutorial this book grows from (one A100, ms per iteration,
+# forward / training step), and the same straightforward code measured on an H200 with
+# torch 2.11, under the names of the book's variants that do the same thing (the
+# anchor's cuML with a graph break is knn/cuml+compile; its shared RMM pool sits under
+# the compiled custom operator).
 published = {
     "A100 (anchor)": {
         "knn/torch": (144.0, 144.8),
@@ -65,9 +67,9 @@ def validate_knn(
 ) -> bool:
     """Check a kNN result against :func:`knn_reference`, robustly to ties.
 
-    Passes when the shapes and dtypes are right, the distances match the reference's within
-    ``atol``, and every returned index really lies at its returned distance (so two equally
-    near points may come in either order).
+    Passes when the shapes and dtypes are right, the distances match the reference's
+    within ``atol``, and every returned index really lies at its returned distance (so
+    two equally near points may come in either order).
     """
     m = p_query.shape[0]
     assert tuple(distances.shape) == (m, k), (
@@ -76,24 +78,37 @@ def validate_knn(
     assert tuple(indices.shape) == (m, k), (
         f"indices: shape {tuple(indices.shape)}, expected {(m, k)}"
     )
-    assert distances.dtype == torch.float32, f"distances: dtype {distances.dtype}, expected float32"
-    assert indices.dtype == torch.int64, f"indices: dtype {indices.dtype}, expected int64"
+    assert distances.dtype == torch.float32, (
+        f"distances: dtype {distances.dtype}, expected float32"
+    )
+    assert indices.dtype == torch.int64, (
+        f"indices: dtype {indices.dtype}, expected int64"
+    )
     ref_d, _ = knn_reference(p_query, p_ref, k)
     d = distances.detach().cpu().double().numpy()
     err = np.abs(d - ref_d).max()
-    assert err <= atol, f"distances differ from the k-d tree's by up to {err:.3g} (atol {atol})"
+    assert err <= atol, (
+        f"distances differ from the k-d tree's by up to {err:.3g} (atol {atol})"
+    )
     q = p_query.detach().cpu().double().numpy()
     r = p_ref.detach().cpu().double().numpy()
     idx = indices.detach().cpu().numpy()
     assert idx.min() >= 0 and idx.max() < len(r), "indices: out of range of p_ref"
     actual = np.linalg.norm(q[:, None, :] - r[idx], axis=-1)
     err = np.abs(actual - ref_d).max()
-    assert err <= atol, f"indices do not point at the returned distances (off by up to {err:.3g})"
+    assert err <= atol, (
+        f"indices do not point at the returned distances (off by up to {err:.3g})"
+    )
     return True
 
 
 def validate_close(
-    actual: torch.Tensor, expected: torch.Tensor, *, name: str, atol: float, rtol: float = 0.0
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    name: str,
+    atol: float,
+    rtol: float = 0.0,
 ) -> bool:
     """``actual`` matches ``expected`` in shape, dtype and values, within
     ``atol + rtol * |expected|``."""

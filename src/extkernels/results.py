@@ -1,10 +1,10 @@
-"""The committed benchmark results, as the results page shows them (chapter 1 explains the
-protocol; the results page at the front of the book reads them).
+"""The committed benchmark results, as the results page shows them (chapter 1 explains
+the protocol; the results page at the front of the book reads them).
 
-``python -m extkernels.benchmark --json FILE`` writes one JSON file: ``meta`` (hardware, date,
-versions, sizes, repeats), ``rows`` (one per variant: medians, spreads, speedups, peak memory)
-and ``runs`` (every run). :func:`load` reads it back; :func:`book_table` and
-:func:`anchor_table` turn it into the page's two tables.
+``python -m extkernels.benchmark --json FILE`` writes one JSON file: ``meta`` (hardware,
+date, versions, sizes, repeats), ``rows`` (one per variant: medians, spreads, speedups,
+peak memory) and ``runs`` (every run). :func:`load` reads it back; :func:`book_table`
+and :func:`anchor_table` turn it into the page's two tables.
 """
 
 from __future__ import annotations
@@ -24,30 +24,37 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
     """The benchmark command's JSON: its ``meta`` and its rows indexed by variant."""
     data = json.loads(Path(path).read_text())
     df = pd.DataFrame(data["rows"]).set_index("variant")
-    # JSON keeps a missing value (peak memory on a CPU) as null: numbers again, NaN for those.
-    numeric = [c for c in df if c.endswith(("_ms", "_min", "_max", "_speedup", "_mb", "_s"))]
+    # JSON keeps a missing value (peak memory on a CPU) as null: numbers again, NaN for
+    # those.
+    numeric = [
+        c for c in df if c.endswith(("_ms", "_min", "_max", "_speedup", "_mb", "_s"))
+    ]
     df[numeric] = df[numeric].apply(pd.to_numeric, errors="coerce")
     return data["meta"], df
 
 
 def book_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
     """Every variant: its chapter, then the chapters' own summary of its timings
-    (:func:`~extkernels.timing.summary`: median and range of the runs, speedups, peak MiB)."""
+    (:func:`~extkernels.timing.summary`: median and range of the runs, speedups, peak
+    MiB)."""
     out = summary(df)
     out.insert(0, "chapter", [chapters.get(v, "") for v in df.index])
     return out
 
 
 def anchor_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The variants that the anchor tutorial (one A100) and the same straightforward code on
-    an H200 also timed, their figures beside this book's medians (ms forward / training)."""
+    """The variants that the anchor tutorial (one A100) and the same straightforward
+    code on an H200 also timed, their figures beside this book's medians (ms forward /
+    training)."""
     rows = {}
     for source, figures in published.items():
         for variant, (fwd, train) in figures.items():
             rows.setdefault(variant, {})[source] = f"{fwd:.1f} / {train:.1f}"
     out = pd.DataFrame(rows).T
     mine = [
-        f"{df.loc[v, 'forward_ms']:.3g} / {df.loc[v, 'train_ms']:.3g}" if v in df.index else ""
+        f"{df.loc[v, 'forward_ms']:.3g} / {df.loc[v, 'train_ms']:.3g}"
+        if v in df.index
+        else ""
         for v in out.index
     ]
     out["this book (median)"] = mine

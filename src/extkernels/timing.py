@@ -1,13 +1,15 @@
-"""The book's timing protocol (chapter 1), shared by every chapter and the benchmark command.
+"""The book's timing protocol (chapter 1), shared by every chapter and the benchmark
+command.
 
-Protocol (the one the anchor tutorial publishes, so numbers compare): ``n_warmup`` iterations of
-a forward pass plus a training step, then ``n_iters`` timed forward passes under
-``torch.no_grad()`` and ``n_iters`` timed training steps (zero_grad, forward, mean squared error
-against the target, backward, Adam step). Every call recomputes the neighbours. The warm-up
-runs with every input check; the timed iterations skip the checks of tensor *values* (finite
-coordinates), which need a host synchronisation each, so that timings measure the computation.
-Timing goes through :class:`torch.utils.benchmark.Timer`, which synchronises the device around
-the timed block; results are milliseconds per iteration.
+Protocol (the one the anchor tutorial publishes, so numbers compare): ``n_warmup``
+iterations of a forward pass plus a training step, then ``n_iters`` timed forward passes
+under ``torch.no_grad()`` and ``n_iters`` timed training steps (zero_grad, forward, mean
+squared error against the target, backward, Adam step). Every call recomputes the
+neighbours. The warm-up runs with every input check; the timed iterations skip the
+checks of tensor *values* (finite coordinates), which need a host synchronisation each,
+so that timings measure the computation. Timing goes through
+:class:`torch.utils.benchmark.Timer`, which synchronises the device around the timed
+block; results are milliseconds per iteration.
 """
 
 from __future__ import annotations
@@ -58,14 +60,17 @@ def _sync(device: torch.device) -> None:
 
 
 def time_fn(fn: Callable[[], object], n_iters: int) -> float:
-    """Milliseconds per call of ``fn``, over one block of ``n_iters`` calls (after 2 warm-ups)."""
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    """Milliseconds per call of ``fn``, over one block of ``n_iters`` calls (after 2
+    warm-ups)."""
+    timer = benchmark.Timer(
+        stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+    )
     return timer.timeit(n_iters).mean * 1e3
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak memory allocated by PyTorch while ``fn`` runs once, in MiB (2**20 bytes; NaN on the
-    CPU, or where PyTorch's allocator is replaced and keeps no statistics)."""
+    """Peak memory allocated by PyTorch while ``fn`` runs once, in MiB (2**20 bytes; NaN
+    on the CPU, or where PyTorch's allocator is replaced and keeps no statistics)."""
     if device.type != "cuda":
         return math.nan
     try:
@@ -80,8 +85,8 @@ def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall-clock seconds of one call, synchronised: for a compiled function's first call this
-    is dominated by compilation."""
+    """Wall-clock seconds of one call, synchronised: for a compiled function's first
+    call this is dominated by compilation."""
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -106,17 +111,20 @@ def time_projector(
         model: the projector, eager or compiled.
         p_query: ``(M, 3)``; p_ref: ``(N, 3)``; target: ``(M, 1)``.
         params: the parameters to train (default: ``model.parameters()``).
-        graphs: time replays of the forward pass and of the training step, each captured in a
-            CUDA graph after the warm-up (:mod:`extkernels.graphs`); every replay recomputes
-            everything, neighbours included.
+        graphs: time replays of the forward pass and of the training step, each captured
+            in a CUDA graph after the warm-up (:mod:`extkernels.graphs`); every replay
+            recomputes everything, neighbours included.
 
     Returns:
-        ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training step.
+        ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training
+        step.
     """
     params = params if params is not None else model.parameters()
     if graphs:
         forward = captured_forward(model, p_query, p_ref, warmup=n_warmup)
-        step = captured_train_step(model, params, p_query, p_ref, target, warmup=n_warmup)
+        step = captured_train_step(
+            model, params, p_query, p_ref, target, warmup=n_warmup
+        )
     else:
         step = make_train_step(model, params, p_query, p_ref, target)
 
@@ -127,8 +135,9 @@ def time_projector(
         for _ in range(n_warmup):
             forward()
             step()
-    # The warm-up validated the inputs; the timed iterations measure the computation alone,
-    # without the host synchronisations that checking values for NaN costs (chapter 7).
+    # The warm-up validated the inputs; the timed iterations measure the computation
+    # alone, without the host synchronisations that checking values for NaN costs
+    # (chapter 7).
     with value_checks(False):
         return {
             "forward_ms": time_fn(forward, n_iters),
@@ -137,19 +146,25 @@ def time_projector(
         }
 
 
-def timings_frame(rows: list[Timing | dict], baseline: str | None = None) -> pd.DataFrame:
-    """Timing rows as a DataFrame indexed by variant: one row per variant, however many runs.
+def timings_frame(
+    rows: list[Timing | dict], baseline: str | None = None
+) -> pd.DataFrame:
+    """Timing rows as a DataFrame indexed by variant: one row per variant, however many
+    runs.
 
-    Several rows of one variant (repeated runs, each in a fresh process) become their median,
-    with the spread beside it: ``forward_min``/``forward_max`` and ``train_min``/``train_max``
-    (equal to the median for a single run), and ``repeats``. ``first_call_s`` is the first
-    run's that has one (later runs may reuse the compiler's caches and report none).
-    Speedups over ``baseline`` are ratios of medians.
+    Several rows of one variant (repeated runs, each in a fresh process) become their
+    median, with the spread beside it: ``forward_min``/``forward_max`` and
+    ``train_min``/``train_max`` (equal to the median for a single run), and ``repeats``.
+    ``first_call_s`` is the first run's that has one (later runs may reuse the
+    compiler's caches and report none). Speedups over ``baseline`` are ratios of
+    medians.
     """
     df = pd.DataFrame([asdict(r) if isinstance(r, Timing) else r for r in rows])
     runs = df.groupby("variant", sort=False)
     out = runs.first()  # the non-numeric columns (hardware, workload) and first_call_s
-    numeric = [c for c in df.columns if c != "variant" and pd.api.types.is_numeric_dtype(df[c])]
+    numeric = [
+        c for c in df.columns if c != "variant" and pd.api.types.is_numeric_dtype(df[c])
+    ]
     medians = runs[[c for c in numeric if c != "first_call_s"]].median()
     out[medians.columns] = medians
     for metric in ("forward", "train"):
@@ -163,9 +178,9 @@ def timings_frame(rows: list[Timing | dict], baseline: str | None = None) -> pd.
 
 
 def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
-    """A timing table as the chapters show it: forward and training ms as ``median (min–max)``
-    of the runs, speedups where the frame has them, peak memory in MiB, and the first call's
-    seconds where there is one. Few columns, so it fits the page.
+    """A timing table as the chapters show it: forward and training ms as ``median
+    (min–max)`` of the runs, speedups where the frame has them, peak memory in MiB, and
+    the first call's seconds where there is one. Few columns, so it fits the page.
 
     Args:
         df: from :func:`timings_frame` (or :func:`extkernels.benchmark.run_all`).
@@ -179,7 +194,10 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
         ]
 
     out = pd.DataFrame(
-        {"forward ms": median_and_range("forward"), "training ms": median_and_range("train")},
+        {
+            "forward ms": median_and_range("forward"),
+            "training ms": median_and_range("train"),
+        },
         index=df.index,
     )
     if "forward_speedup" in df:
@@ -192,8 +210,10 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
 
 
 def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
-    """How variant ``a`` compares with ``b`` in ``metric`` (``forward`` or ``train``), for
-    prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated runs do
+    """How variant ``a`` compares with ``b`` in ``metric`` (``forward`` or ``train``),
+    for
+    prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated
+        runs do
     not overlap, otherwise ``"within the run-to-run spread of"``."""
     lo, hi = f"{metric}_min", f"{metric}_max"
     if df.loc[a, hi] < df.loc[b, lo]:
@@ -204,7 +224,8 @@ def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
 
 
 def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:
-    """Peak memory of one forward pass under ``torch.no_grad()``, in MiB (NaN on the CPU)."""
+    """Peak memory of one forward pass under ``torch.no_grad()``, in MiB (NaN on the
+    CPU)."""
 
     def forward():
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""One training step of the running example: zero_grad, forward, MSE, backward, Adam (chapter 1).
+"""One training step of the running example: zero_grad, forward, MSE, backward, Adam
+(chapter 1).
 
 The timing protocol (:mod:`~extkernels.timing`) times it, and :mod:`~extkernels.graphs`
 captures it in a CUDA graph.
@@ -26,17 +27,20 @@ def make_train_step(
     """A closure doing one training step: zero_grad, forward, MSE, backward, Adam step.
 
     ``model`` may be a compiled module; ``params`` are the parameters Adam updates. With
-    ``capturable``, Adam keeps its step count on the device, so that the step can be captured
-    in a CUDA graph (:mod:`extkernels.graphs`).
+    ``capturable``, Adam keeps its step count on the device, so that the step can be
+    captured in a CUDA graph (:mod:`extkernels.graphs`).
 
     Returns:
         ``step()`` returning the (detached) loss.
     """
     params = list(params)
-    # On a GPU, Adam's fused implementation (one kernel for all parameters) keeps the optimizer
-    # step from dominating the small models of this book; the arithmetic is Adam's either way.
+    # On a GPU, Adam's fused implementation (one kernel for all parameters) keeps the
+    # optimizer step from dominating the small models of this book; the arithmetic is
+    # Adam's either way.
     fused = bool(params) and all(p.is_cuda for p in params)
-    optimizer = torch.optim.Adam(params, lr=lr, fused=fused or None, capturable=capturable)
+    optimizer = torch.optim.Adam(
+        params, lr=lr, fused=fused or None, capturable=capturable
+    )
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)

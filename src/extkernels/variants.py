@@ -1,10 +1,11 @@
-"""Every version of the running example, as the benchmark command and the chapters run them
-(chapter 1 onward; each variant names the chapter that introduces it).
+"""Every version of the running example, as the benchmark command and the chapters run
+them (chapter 1 onward; each variant names the chapter that introduces it).
 
-A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and whether it is
-compiled; :meth:`Variant.build` makes the model and data at a :class:`~extkernels.Problem`'s
-sizes and :func:`run` times it by the book's protocol. Chapters add variants as they add
-backends; a variant whose backend cannot run on this machine is listed but skipped.
+A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and
+whether it is compiled; :meth:`Variant.build` makes the model and data at a
+:class:`~extkernels.Problem`'s sizes and :func:`run` times it by the book's protocol.
+Chapters add variants as they add backends; a variant whose backend cannot run on this
+machine is listed but skipped.
 """
 
 from __future__ import annotations
@@ -40,16 +41,16 @@ class Variant:
         fullgraph: compile with ``fullgraph=True`` (fail on any graph break).
         chapter: the chapter that introduces it.
         options: extra keyword arguments of the aggregation's backend.
-        isolated: must run in a process of its own (it changes process-wide state, such as
-            PyTorch's allocator), which the benchmark command arranges.
+        isolated: must run in a process of its own (it changes process-wide state, such
+            as PyTorch's allocator), which the benchmark command arranges.
         setup: called once before anything is allocated on the device.
-        backward_thread: let autograd run CUDA backward nodes on its own device thread (the
-            default). With ``False`` the whole variant runs under
-            ``torch.autograd.set_multithreading_enabled(False)``, so backward passes run on the
-            calling thread: backward formulas written in Python (the Warp operators') then skip
-            the hand-over to that thread.
-        graphs: time the forward pass and the training step each captured in one CUDA graph
-            and replayed (:mod:`extkernels.graphs`); needs a CUDA device.
+        backward_thread: let autograd run CUDA backward nodes on its own device thread
+            (the default). With ``False`` the whole variant runs under
+            ``torch.autograd.set_multithreading_enabled(False)``, so backward passes run
+            on the calling thread: backward formulas written in Python (the Warp
+            operators') then skip the hand-over to that thread.
+        graphs: time the forward pass and the training step each captured in one CUDA
+            graph and replayed (:mod:`extkernels.graphs`); needs a CUDA device.
     """
 
     name: str
@@ -93,20 +94,35 @@ class Variant:
         if self.workload == "knn":
             agg = KnnAggregation(prob.k, prob.sigma, self.backend, **self.options)
         else:
-            agg = RadiusAggregation(prob.radius, prob.sigma, self.backend, **self.options)
+            agg = RadiusAggregation(
+                prob.radius, prob.sigma, self.backend, **self.options
+            )
         torch.manual_seed(prob.seed)
         model = Projector(agg, prob.hidden).to(prob.device)
-        run_model = torch.compile(model, fullgraph=self.fullgraph) if self.compile else model
+        run_model = (
+            torch.compile(model, fullgraph=self.fullgraph) if self.compile else model
+        )
         return model, run_model, (p_query, p_ref, target)
 
 
 VARIANTS: list[Variant] = [
     Variant("knn/torch", "knn", "torch", chapter=1),
-    Variant("knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2),
+    Variant(
+        "knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2
+    ),
     Variant("knn/cuml", "knn", "cuml", chapter=3, options={"as_op": False}),
-    Variant("knn/cuml+compile", "knn", "cuml", compile=True, chapter=3, options={"as_op": False}),
+    Variant(
+        "knn/cuml+compile",
+        "knn",
+        "cuml",
+        compile=True,
+        chapter=3,
+        options={"as_op": False},
+    ),
     Variant("knn/cuml-op", "knn", "cuml", chapter=3),
-    Variant("knn/cuml-op+compile", "knn", "cuml", compile=True, fullgraph=True, chapter=3),
+    Variant(
+        "knn/cuml-op+compile", "knn", "cuml", compile=True, fullgraph=True, chapter=3
+    ),
     Variant(
         "knn/cuml-op+compile+rmm",
         "knn",
@@ -128,9 +144,18 @@ VARIANTS: list[Variant] = [
         setup=functools.partial(use_rmm_pool, pytorch=False),
     ),
     Variant("radius/torch", "radius", "torch", chapter=5),
-    Variant("radius/torch+compile", "radius", "torch", compile=True, fullgraph=True, chapter=5),
+    Variant(
+        "radius/torch+compile",
+        "radius",
+        "torch",
+        compile=True,
+        fullgraph=True,
+        chapter=5,
+    ),
     Variant("radius/warp", "radius", "warp", chapter=5),
-    Variant("radius/warp+compile", "radius", "warp", compile=True, fullgraph=True, chapter=6),
+    Variant(
+        "radius/warp+compile", "radius", "warp", compile=True, fullgraph=True, chapter=6
+    ),
     Variant(
         "radius/warp-manual+compile",
         "radius",
@@ -168,11 +193,14 @@ def get(name: str) -> Variant:
     for v in VARIANTS:
         if v.name == name:
             return v
-    raise ValueError(f"name: expected one of {[v.name for v in VARIANTS]}, got {name!r}")
+    raise ValueError(
+        f"name: expected one of {[v.name for v in VARIANTS]}, got {name!r}"
+    )
 
 
 def baseline_of(variant: Variant) -> str:
-    """Name of the eager brute-force variant of the same workload (the speedup reference)."""
+    """Name of the eager brute-force variant of the same workload (the speedup
+    reference)."""
     return f"{variant.workload}/torch"
 
 
@@ -180,10 +208,11 @@ def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
     """Build and time one variant by the book's protocol.
 
     Returns:
-        A :class:`~extkernels.timing.Timing` as a dict, plus ``workload`` and ``first_call_s``
-        (the first training step; for compiled variants it includes compiling the forward and
-        backward graphs from scratch, with inductor's caches disabled). With ``cold=False``
-        the first step may use inductor's caches and ``first_call_s`` is NaN.
+        A :class:`~extkernels.timing.Timing` as a dict, plus ``workload`` and
+        ``first_call_s`` (the first training step; for compiled variants it includes
+        compiling the forward and backward graphs from scratch, with inductor's caches
+        disabled). With ``cold=False`` the first step may use inductor's caches and
+        ``first_call_s`` is NaN.
     """
     if variant.setup is not None:
         variant.setup()
@@ -192,8 +221,12 @@ def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
     model, run_model, (p_query, p_ref, target) = variant.build(prob)
     with torch.autograd.set_multithreading_enabled(variant.backward_thread):
         first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
-        # Inductor's on-disk caches would turn a recompilation into a lookup: measure it cold.
-        with torch._inductor.config.patch(force_disable_caches=cold), warnings.catch_warnings():
+        # Inductor's on-disk caches would turn a recompilation into a lookup: measure it
+        # cold.
+        with (
+            torch._inductor.config.patch(force_disable_caches=cold),
+            warnings.catch_warnings(),
+        ):
             warnings.filterwarnings("ignore", message=".*force_disable_caches")
             first_s = first_call_seconds(first, prob.device) if cold else math.nan
         t = time_projector(

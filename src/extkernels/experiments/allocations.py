@@ -1,8 +1,9 @@
-"""The CUDA runtime calls behind a training step's allocations, by memory pool (chapter 4's
-experiment): ``cudaMalloc`` and ``cudaFree``, and the synchronising calls that a removed
-``cudaFree`` hands its wait to.
+"""The CUDA runtime calls behind a training step's allocations, by memory pool (chapter
+4's experiment): ``cudaMalloc`` and ``cudaFree``, and the synchronising calls that a
+removed ``cudaFree`` hands its wait to.
 
-PyTorch's allocator is chosen once per process, so each measurement runs in a fresh one::
+PyTorch's allocator is chosen once per process, so each measurement runs in a fresh
+one::
 
     python -m extkernels.experiments.allocations --pool none --json out.json
     python -m extkernels.experiments.allocations --pool rapids --json out.json
@@ -22,19 +23,23 @@ from ..training import make_train_step
 __all__ = ["allocation_calls", "main"]
 
 
-#: ``none``: PyTorch's caching allocator and RMM's default (no pool) for cuML and CuPy;
-#: ``rapids``: an RMM pool for cuML and CuPy only; ``shared``: one RMM pool for all three.
+# : ``none``: PyTorch's caching allocator and RMM's default (no pool) for cuML and CuPy;
+# : ``rapids``: an RMM pool for cuML and CuPy only; ``shared``: one RMM pool for all
+# three.
 POOLS = ("none", "rapids", "shared")
 CALLS = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
-def allocation_calls(variant_name: str = "knn/cuml-op+compile", *, pool: str, n_iters: int = 5):
+def allocation_calls(
+    variant_name: str = "knn/cuml-op+compile", *, pool: str, n_iters: int = 5
+):
     """The calls of :data:`CALLS` per training step of a variant, with the given pool.
 
     Must run in a fresh process (see :func:`main`), since the allocator is chosen once.
 
     Returns:
-        DataFrame of :func:`extkernels.profiling.runtime_calls` restricted to those calls.
+        DataFrame of :func:`extkernels.profiling.runtime_calls` restricted to those
+        calls.
     """
     if pool not in POOLS:
         raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
@@ -54,7 +59,9 @@ def allocation_calls(variant_name: str = "knn/cuml-op+compile", *, pool: str, n_
 def main(argv: list[str] | None = None) -> int:
     """``python -m extkernels.experiments.allocations --pool POOL --json out.json``."""
     ap = argparse.ArgumentParser(prog="python -m extkernels.experiments.allocations")
-    ap.add_argument("--pool", choices=POOLS, default="none", help="which RMM pool to install")
+    ap.add_argument(
+        "--pool", choices=POOLS, default="none", help="which RMM pool to install"
+    )
     ap.add_argument("--variant", default="knn/cuml-op+compile")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)

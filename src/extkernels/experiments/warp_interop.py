@@ -1,10 +1,11 @@
 """Warp and PyTorch, fast: the small experiments of chapter 7.
 
 Each function isolates one interop cost: how a tensor is handed to a Warp kernel
-(:func:`launch_saxpy`), PyTorch's deferred gradient allocation (:class:`SquaresNaive` against
-:class:`SquaresFixed`) and whether Warp shares PyTorch's stream (:func:`saxpy_chain`); chapter 7
-captures them in CUDA graphs with :class:`extkernels.graphs.CapturedStep`. The warp backend
-applies the fast choice of each, through the helpers of :mod:`extkernels.ops.warp.interop`.
+(:func:`launch_saxpy`), PyTorch's deferred gradient allocation (:class:`SquaresNaive`
+against :class:`SquaresFixed`) and whether Warp shares PyTorch's stream
+(:func:`saxpy_chain`); chapter 7 captures them in CUDA graphs with
+:class:`extkernels.graphs.CapturedStep`. The warp backend applies the fast choice of
+each, through the helpers of :mod:`extkernels.ops.warp.interop`.
 """
 
 import functools
@@ -26,9 +27,15 @@ __all__ = [
     "synchronising_calls",
 ]
 
-#: Ways of handing a tensor to a kernel: three ways of calling ``wp.launch``, and replaying a
-#: launch command recorded once (``wp.launch(..., record_cmd=True)``) with new descriptors.
-METHODS = ("from_torch", "from_torch(return_ctype=True)", "tensor directly", "recorded launch")
+# : Ways of handing a tensor to a kernel: three ways of calling ``wp.launch``, and
+# replaying a : launch command recorded once (``wp.launch(..., record_cmd=True)``) with
+# new descriptors.
+METHODS = (
+    "from_torch",
+    "from_torch(return_ctype=True)",
+    "tensor directly",
+    "recorded launch",
+)
 
 
 @functools.cache
@@ -41,7 +48,9 @@ def _kernels() -> Any:
         y[i] = a * x[i] + y[i]
 
     @wp.kernel(enable_backward=False)
-    def squares(a: wp.array(dtype=float), b: wp.array(dtype=float), out: wp.array(dtype=float)):
+    def squares(
+        a: wp.array(dtype=float), b: wp.array(dtype=float), out: wp.array(dtype=float)
+    ):
         i = wp.tid()
         out[i] = a[i] * a[i] + b[i] * b[i]
 
@@ -61,10 +70,10 @@ def _kernels() -> Any:
 
 
 def _stream(t: torch.Tensor):
-    """Warp on PyTorch's current stream (CUDA), or nothing to do (CPU). The Warp wrapper of
-    the stream is the operators' kept one (:func:`~extkernels.ops.warp.interop.where`): a
-    wrapper made and dropped per call would register and release the stream with Warp every
-    time."""
+    """Warp on PyTorch's current stream (CUDA), or nothing to do (CPU). The Warp wrapper
+    of the stream is the operators' kept one
+    (:func:`~extkernels.ops.warp.interop.where`): a wrapper made and dropped per call
+    would register and release the stream with Warp every time."""
     if t.is_cuda:
         return warp().ScopedStream(where(t.device).stream, sync_enter=False)
     return nullcontext()
@@ -81,20 +90,32 @@ def launch_saxpy(x: torch.Tensor, y: torch.Tensor, a: float, method: str) -> Non
     if method == "from_torch":
         args = [wp.from_torch(x), wp.from_torch(y)]
     elif method == "from_torch(return_ctype=True)":
-        args = [wp.from_torch(x, return_ctype=True), wp.from_torch(y, return_ctype=True)]
+        args = [
+            wp.from_torch(x, return_ctype=True),
+            wp.from_torch(y, return_ctype=True),
+        ]
     elif method == "tensor directly":
         args = [x, y]
     elif method == "recorded launch":
-        # What the book's operators do (see extkernels.ops.warp.interop.launch): record the
-        # launch on the first call, then overwrite its parameters with the new descriptors
-        # and replay it.
-        args = [wp.from_torch(x, return_ctype=True), wp.from_torch(y, return_ctype=True), a]
+        # What the book's operators do (see extkernels.ops.warp.interop.launch): record
+        # the launch on the first call, then overwrite its parameters with the new
+        # descriptors and replay it.
+        args = [
+            wp.from_torch(x, return_ctype=True),
+            wp.from_torch(y, return_ctype=True),
+            a,
+        ]
         launch(saxpy, (x.shape[0],), args, where(x.device))
         return
     else:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     with _stream(x):
-        wp.launch(saxpy, dim=x.shape[0], inputs=[*args, a], device=wp.device_from_torch(x.device))
+        wp.launch(
+            saxpy,
+            dim=x.shape[0],
+            inputs=[*args, a],
+            device=wp.device_from_torch(x.device),
+        )
 
 
 def _squares(a: torch.Tensor, b: torch.Tensor, convert: Callable) -> torch.Tensor:
@@ -134,9 +155,9 @@ def _squares_grad(grad_out, a, b, convert: Callable):
 class SquaresNaive(torch.autograd.Function):
     """``a**2 + b**2`` by Warp, converting with plain ``wp.from_torch``.
 
-    ``a`` and ``b`` require gradients, so ``wp.from_torch`` allocates their ``.grad`` in the
-    forward pass, behind autograd's back; autograd later finds gradients it did not allocate and
-    synchronises the device before accumulating into them.
+    ``a`` and ``b`` require gradients, so ``wp.from_torch`` allocates their ``.grad`` in
+    the forward pass, behind autograd's back; autograd later finds gradients it did not
+    allocate and synchronises the device before accumulating into them.
     """
 
     @staticmethod
@@ -155,8 +176,9 @@ def _plain(t: torch.Tensor):
 
 
 class SquaresFixed(SquaresNaive):
-    """The same function, converting with ``requires_grad=False`` (and ``return_ctype=True``):
-    Warp never touches ``.grad``, autograd allocates the gradients itself."""
+    """The same function, converting with ``requires_grad=False`` (and
+    ``return_ctype=True``): Warp never touches ``.grad``, autograd allocates the
+    gradients itself."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -172,7 +194,8 @@ class SquaresFixed(SquaresNaive):
 def squares_step(
     fn: type[torch.autograd.Function], a: torch.Tensor, b: torch.Tensor
 ) -> Callable[[], None]:
-    """A closure: fresh leaf copies of ``a`` and ``b`` (no ``.grad`` yet), forward, backward."""
+    """A closure: fresh leaf copies of ``a`` and ``b`` (no ``.grad`` yet), forward,
+    backward."""
 
     def step() -> None:
         a_ = a.detach().clone().requires_grad_(True)
@@ -182,12 +205,14 @@ def squares_step(
     return step
 
 
-def saxpy_chain(x: torch.Tensor, y: torch.Tensor, n_links: int, *, shared: bool) -> torch.Tensor:
+def saxpy_chain(
+    x: torch.Tensor, y: torch.Tensor, n_links: int, *, shared: bool
+) -> torch.Tensor:
     """Alternate ``n_links`` PyTorch ops and Warp launches on ``y``; returns ``y``.
 
-    With ``shared=True`` Warp launches on PyTorch's current stream and nothing waits. With
-    ``shared=False`` Warp uses its own stream, so every hand-over must synchronise: PyTorch's
-    stream before Warp reads, Warp's stream before PyTorch reads.
+    With ``shared=True`` Warp launches on PyTorch's current stream and nothing waits.
+    With ``shared=False`` Warp uses its own stream, so every hand-over must synchronise:
+    PyTorch's stream before Warp reads, Warp's stream before PyTorch reads.
     """
     wp = warp()
     saxpy, _, _ = _kernels()

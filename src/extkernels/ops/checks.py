@@ -1,24 +1,26 @@
-"""The one validation contract of every operator (chapter 1; chapter 3 wires it into fakes).
+"""The one validation contract of every operator (chapter 1; chapter 3 wires it into
+fakes).
 
-The public entry points, every backend's custom operators and every fake implementation call
-the same functions here, one per operation (:func:`check_knn`, :func:`check_knn_aggregate`,
-:func:`check_radius_aggregate`, and :func:`check_grad_out` for backward operators). Each raises
-``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, layout or value) with
-a message that starts with the argument's name and says what was expected.
+The public entry points, every backend's custom operators and every fake implementation
+call the same functions here, one per operation (:func:`check_knn`,
+:func:`check_knn_aggregate`, :func:`check_radius_aggregate`, and :func:`check_grad_out`
+for backward operators). Each raises ``TypeError`` (wrong kind or dtype) or
+``ValueError`` (wrong shape, device, layout or value) with a message that starts with
+the argument's name and says what was expected.
 
-Checks of tensor *metadata* (dtype, shape, device, layout) are free and always run, also while
-``torch.compile`` traces and inside fake implementations, so a compiled caller fails at trace
-time exactly where an eager one fails at run time. Checks of tensor *values* (finite
-coordinates) need the values on the host: a device synchronisation and, while tracing, a graph
-break. They therefore run in eager mode only, once per call: both clouds in one
-synchronisation, by whoever is called first. An entry point checks, then calls its backend
-through :func:`call_checked`, so that the backend's operator does not check again; an operator
-called directly checks itself; a compiled caller gets the check from the operator's real
-implementation, which runs eagerly inside the compiled graph.
+Checks of tensor *metadata* (dtype, shape, device, layout) are free and always run, also
+while ``torch.compile`` traces and inside fake implementations, so a compiled caller
+fails at trace time exactly where an eager one fails at run time. Checks of tensor
+*values* (finite coordinates) need the values on the host: a device synchronisation and,
+while tracing, a graph break. They therefore run in eager mode only, once per call: both
+clouds in one synchronisation, by whoever is called first. An entry point checks, then
+calls its backend through :func:`call_checked`, so that the backend's operator does not
+check again; an operator called directly checks itself; a compiled caller gets the check
+from the operator's real implementation, which runs eagerly inside the compiled graph.
 
 :func:`value_checks` switches the value checks off for a block of code (``with
-value_checks(False): ...``); the timing protocol does so after its warm-up, which ran with them
-on (chapter 7 measures what they cost).
+value_checks(False): ...``); the timing protocol does so after its warm-up, which ran
+with them on (chapter 7 measures what they cost).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ _local = threading.local()
 
 @contextmanager
 def value_checks(enabled: bool) -> Iterator[None]:
-    """Turn the checks of tensor values on or off inside a ``with`` block (every backend)."""
+    """Turn the checks of tensor values on or off inside a ``with`` block (every
+    backend)."""
     previous = _enabled["values"]
     _enabled["values"] = bool(enabled)
     try:
@@ -68,8 +71,9 @@ def value_checks(enabled: bool) -> Iterator[None]:
 
 
 def values_checked(t: torch.Tensor | None = None) -> bool:
-    """True where value checks run: in eager mode, on real tensors, with the checks on, and not
-    inside :func:`call_checked` (whose caller has checked the values already)."""
+    """True where value checks run: in eager mode, on real tensors, with the checks on,
+    and not inside :func:`call_checked` (whose caller has checked the values
+    already)."""
     if not _enabled["values"] or torch.compiler.is_compiling():
         return False
     if getattr(_local, "depth", 0):
@@ -78,8 +82,9 @@ def values_checked(t: torch.Tensor | None = None) -> bool:
 
 
 def call_checked(fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` with this thread's value checks off: the caller has just run
-    them. (While compiling, a plain call: no value check runs at trace time anyway.)"""
+    """``fn(*args, **kwargs)`` with this thread's value checks off: the caller has just
+    run them. (While compiling, a plain call: no value check runs at trace time
+    anyway.)"""
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)
     _local.depth = getattr(_local, "depth", 0) + 1
@@ -89,14 +94,16 @@ def call_checked(fn: Callable[..., T], *args, **kwargs) -> T:
         _local.depth -= 1
 
 
-# ---------------------------------------------------------------- one argument at a time
+# ---------------------------------------------------------------- one argument at a
+# time
 
 
 def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:
     """Metadata of a point cloud: a contiguous, non-empty ``(n, 3)`` float32 tensor."""
     if not isinstance(points, torch.Tensor):
         raise TypeError(
-            f"{name}: expected a torch.Tensor of shape (n, 3), got {type(points).__name__}"
+            f"{name}: expected a torch.Tensor of shape (n, 3), got "
+            f"{type(points).__name__}"
         )
     if points.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
@@ -104,29 +111,40 @@ def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.
     if points.dim() != 2 or points.shape[1] != 3:
         raise ValueError(f"{name}: expected shape (n, 3), got {tuple(points.shape)}")
     if points.shape[0] == 0:
-        raise ValueError(f"{name}: expected at least one point, got an empty cloud of shape (0, 3)")
+        raise ValueError(
+            f"{name}: expected at least one point, got an empty cloud of shape (0, 3)"
+        )
     if not points.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
+        raise ValueError(
+            f"{name}: expected a contiguous tensor (call .contiguous() first)"
+        )
     return points
 
 
 def check_feats(feats: object, n_ref: int, *, dtypes=(torch.float32,)) -> torch.Tensor:
-    """Per-reference-point features: a contiguous ``(n_ref, F)`` float32 tensor, ``F >= 1``."""
+    """Per-reference-point features: a contiguous ``(n_ref, F)`` float32 tensor, ``F >=
+    1``."""
     if not isinstance(feats, torch.Tensor):
         raise TypeError(
-            f"feats: expected a torch.Tensor of shape (n_ref, F), got {type(feats).__name__}"
+            "feats: expected a torch.Tensor of shape (n_ref, F), got "
+            f"{type(feats).__name__}"
         )
     if feats.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"feats: expected dtype {want}, got {feats.dtype}")
     if feats.dim() != 2 or feats.shape[1] == 0:
-        raise ValueError(f"feats: expected shape (n_ref, F) with F >= 1, got {tuple(feats.shape)}")
+        raise ValueError(
+            f"feats: expected shape (n_ref, F) with F >= 1, got {tuple(feats.shape)}"
+        )
     if feats.shape[0] != n_ref:
         raise ValueError(
-            f"feats: expected one row per reference point ({n_ref} rows), got {feats.shape[0]}"
+            f"feats: expected one row per reference point ({n_ref} rows), got "
+            f"{feats.shape[0]}"
         )
     if not feats.is_contiguous():
-        raise ValueError("feats: expected a contiguous tensor (call .contiguous() first)")
+        raise ValueError(
+            "feats: expected a contiguous tensor (call .contiguous() first)"
+        )
     return feats
 
 
@@ -137,7 +155,8 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     for name, t in items[1:]:
         if t.device != first.device:
             raise ValueError(
-                f"{name}: expected a tensor on {first.device} like {first_name}, got {t.device}"
+                f"{name}: expected a tensor on {first.device} like {first_name}, got "
+                f"{t.device}"
             )
     return first.device
 
@@ -154,14 +173,17 @@ def check_k(k: object, n_ref: int) -> int:
 def check_positive(name: str, value: object) -> float:
     """A finite, strictly positive real number (``radius``, ``sigma``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
+        raise TypeError(
+            f"{name}: expected a positive float, got {type(value).__name__}"
+        )
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}: expected a finite value > 0, got {value}")
     return float(value)
 
 
 def check_finite(values: bool | None = None, **clouds: torch.Tensor) -> None:
-    """Finite coordinates in every cloud, found with one host synchronisation for all of them.
+    """Finite coordinates in every cloud, found with one host synchronisation for all of
+    them.
 
     ``values=None`` checks wherever :func:`values_checked` allows it, ``False`` never,
     ``True`` always (on real tensors)."""
@@ -175,7 +197,9 @@ def check_finite(values: bool | None = None, **clouds: torch.Tensor) -> None:
         return
     for (name, _), ok in zip(clouds.items(), finite.tolist(), strict=True):
         if not ok:
-            raise ValueError(f"{name}: expected finite coordinates, found NaN or infinity")
+            raise ValueError(
+                f"{name}: expected finite coordinates, found NaN or infinity"
+            )
 
 
 # ---------------------------------------------------------------- one call at a time
@@ -193,8 +217,11 @@ def _clouds_and_feats(p_query: object, p_ref: object, feats: object) -> None:
     check_same_device(p_ref=p_ref, feats=feats)
 
 
-def check_knn(p_query: object, p_ref: object, k: object, *, values: bool | None = None) -> int:
-    """The arguments of ``knn``: two clouds on one device, ``1 <= k <= N``. Returns ``k``."""
+def check_knn(
+    p_query: object, p_ref: object, k: object, *, values: bool | None = None
+) -> int:
+    """The arguments of ``knn``: two clouds on one device, ``1 <= k <= N``. Returns
+    ``k``."""
     _clouds(p_query, p_ref)
     k = check_k(k, p_ref.shape[0])
     check_finite(values, p_query=p_query, p_ref=p_ref)
@@ -235,17 +262,25 @@ def check_radius_aggregate(
     return radius, sigma
 
 
-def check_grad_out(grad_out: object, p_query: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+def check_grad_out(
+    grad_out: object, p_query: torch.Tensor, feats: torch.Tensor
+) -> torch.Tensor:
     """The incoming gradient of an aggregation's backward operator: a contiguous float32
     ``(M, F)`` tensor on the device of the clouds."""
     if not isinstance(grad_out, torch.Tensor):
-        raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
+        raise TypeError(
+            f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}"
+        )
     if grad_out.dtype != torch.float32:
         raise TypeError(f"grad_out: expected dtype torch.float32, got {grad_out.dtype}")
     want = (p_query.shape[0], feats.shape[1])
     if tuple(grad_out.shape) != want:
-        raise ValueError(f"grad_out: expected shape {want} (M, F), got {tuple(grad_out.shape)}")
+        raise ValueError(
+            f"grad_out: expected shape {want} (M, F), got {tuple(grad_out.shape)}"
+        )
     if not grad_out.is_contiguous():
-        raise ValueError("grad_out: expected a contiguous tensor (call .contiguous() first)")
+        raise ValueError(
+            "grad_out: expected a contiguous tensor (call .contiguous() first)"
+        )
     check_same_device(p_query=p_query, grad_out=grad_out)
     return grad_out

@@ -1,9 +1,10 @@
 """The public entry points: one per operation, every backend behind it (chapter 1).
 
-Each entry point checks its arguments once, by the contract of :mod:`~extkernels.ops.checks`,
-looks up the backend (:mod:`~extkernels.ops.registry`) and calls it with value checks off,
-since they just ran. Extra keyword arguments go to the backend (for example ``chunk_size`` of
-the torch backend, ``backward`` of the warp backend).
+Each entry point checks its arguments once, by the contract of
+:mod:`~extkernels.ops.checks`, looks up the backend (:mod:`~extkernels.ops.registry`)
+and calls it with value checks off, since they just ran. Extra keyword arguments go to
+the backend (for example ``chunk_size`` of the torch backend, ``backward`` of the warp
+backend).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ __all__ = ["knn", "knn_aggregate", "radius_aggregate"]
 
 
 def knn(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, *, backend: str = "torch", **options
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    *,
+    backend: str = "torch",
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` nearest reference points of every query (Euclidean).
 
@@ -75,8 +81,8 @@ def radius_aggregate(
     **options,
 ) -> torch.Tensor:
     """Radius-bounded aggregation: features of every reference point within ``radius``,
-    weighted by ``exp(-distance / sigma)`` normalised per query; zeros for a query with no
-    neighbour. Differentiable in ``feats``.
+    weighted by ``exp(-distance / sigma)`` normalised per query; zeros for a query with
+    no neighbour. Differentiable in ``feats``.
 
     Args:
         p_query: ``(M, 3)`` float32.

@@ -1,7 +1,9 @@
-"""The softmax-gather-sum that turns any kNN search into the kNN aggregation (chapter 1).
+"""The softmax-gather-sum that turns any kNN search into the kNN aggregation (chapter
+1).
 
-Every kNN backend hands its ``(distances, indices)`` to :func:`softmax_gather`; the registry
-derives each backend's ``knn_aggregate`` this way (see :mod:`~extkernels.ops.registry`).
+Every kNN backend hands its ``(distances, indices)`` to :func:`softmax_gather`; the
+registry derives each backend's ``knn_aggregate`` this way (see
+:mod:`~extkernels.ops.registry`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ __all__ = ["softmax_gather"]
 def softmax_gather(
     distances: torch.Tensor, indices: torch.Tensor, feats: torch.Tensor, sigma: float
 ) -> torch.Tensor:
-    """Weighted sum of neighbour features, weights ``softmax(-distance / sigma)`` over k.
+    """Weighted sum of neighbour features, weights ``softmax(-distance / sigma)`` over
+    k.
 
     Gradients flow to ``feats`` through the gather; distances and indices carry none.
 

@@ -1,9 +1,10 @@
 """The ``cuml`` backend: RAPIDS cuML's nearest-neighbour search (chapter 3), CUDA only.
 
-The backend registers only its search; ``knn_aggregate`` is the registry's derived one, with
-PyTorch's differentiable gather after the search (neither distances nor indices need a
-gradient). ``as_op=False`` calls cuML directly instead of through ``torch.ops.cuml.knn``;
-``algorithm`` picks cuML's search (``rbc`` unless told otherwise).
+The backend registers only its search; ``knn_aggregate`` is the registry's derived one,
+with PyTorch's differentiable gather after the search (neither distances nor indices
+need a gradient). ``as_op=False`` calls cuML directly instead of through
+``torch.ops.cuml.knn``; ``algorithm`` picks cuML's search (``rbc`` unless told
+otherwise).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def knn(
     as_op: bool = True,
     algorithm: str = DEFAULT_ALGORITHM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuML kNN through the custom operator (``as_op=True``) or called directly, with one of
-    cuML's exact searches (``algorithm``, see :data:`ALGORITHMS`)."""
+    """cuML kNN through the custom operator (``as_op=True``) or called directly, with
+    one of cuML's exact searches (``algorithm``, see :data:`ALGORITHMS`)."""
     if as_op:
         return torch.ops.cuml.knn(p_query, p_ref, k, algorithm)
     return knn_plain(p_query, p_ref, k, algorithm)

@@ -1,23 +1,25 @@
-"""RAPIDS cuML's nearest-neighbour search, called directly and as a custom operator (chapter 3).
+"""RAPIDS cuML's nearest-neighbour search, called directly and as a custom operator
+(chapter 3).
 
 Two ways to call the same search:
 
-- :func:`knn_plain` calls cuML directly, handing the tensors over through DLPack without a
-  copy. ``torch.compile`` cannot trace into cuML, so a compiled model breaks its graph here.
-- ``torch.ops.cuml.knn`` (:func:`knn_op`) wraps the same call as a PyTorch custom operator with
-  a fake implementation: the compiler treats it as one opaque node whose output shapes it
-  knows, and ``torch.compile(fullgraph=True)`` succeeds.
+- :func:`knn_plain` calls cuML directly, handing the tensors over through DLPack without
+  a copy. ``torch.compile`` cannot trace into cuML, so a compiled model breaks its graph
+  here.
+- ``torch.ops.cuml.knn`` (:func:`knn_op`) wraps the same call as a PyTorch custom
+  operator with a fake implementation: the compiler treats it as one opaque node whose
+  output shapes it knows, and ``torch.compile(fullgraph=True)`` succeeds.
 
-Both search clouds centred on the reference cloud's mean (:func:`centred`). cuML's kernels
-compute ``|x|^2 + |y|^2 - 2 x.y`` in float32, which cancels away the digits that tell two
-neighbours apart when the points lie far from the origin (coordinates near 1000 keep about
-three); centring costs two small kernels and brings every cloud back to where float32 resolves
-it. The distances returned are then recomputed from coordinate differences, in the order they
-rank, so they are exact for the neighbours found.
+Both search clouds centred on the reference cloud's mean (:func:`centred`). cuML's
+kernels compute ``|x|^2 + |y|^2 - 2 x.y`` in float32, which cancels away the digits that
+tell two neighbours apart when the points lie far from the origin (coordinates near 1000
+keep about three); centring costs two small kernels and brings every cloud back to where
+float32 resolves it. The distances returned are then recomputed from coordinate
+differences, in the order they rank, so they are exact for the neighbours found.
 
 cuML takes no stream argument and waits on the host before it returns, so the operator
-synchronises PyTorch's current stream before handing the inputs over, copies the results into
-memory PyTorch owns (nothing returned aliases cuML's buffers), and carries the
+synchronises PyTorch's current stream before handing the inputs over, copies the results
+into memory PyTorch owns (nothing returned aliases cuML's buffers), and carries the
 ``cudagraph_unsafe`` tag: a host synchronisation cannot be captured in a CUDA graph.
 """
 
@@ -30,9 +32,10 @@ from ..registry import CUDAGRAPH_UNSAFE
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "centred", "knn_plain", "knn_op"]
 
-#: cuML's exact searches: ``brute`` compares every pair (in the expanded form); ``rbc``, the
-#: random ball cover, prunes with the triangle inequality around sampled landmarks. cuML's
-#: default, ``auto``, picks one by the data's shape; the book names it (chapter 3 times both).
+# : cuML's exact searches: ``brute`` compares every pair (in the expanded form);
+# ``rbc``, the : random ball cover, prunes with the triangle inequality around sampled
+# landmarks. cuML's : default, ``auto``, picks one by the data's shape; the book names
+# it (chapter 3 times both).
 ALGORITHMS = ("brute", "rbc")
 DEFAULT_ALGORITHM = "rbc"
 
@@ -51,13 +54,18 @@ def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str):
     # Zero-copy views: the CuPy arrays point at the tensors' own memory.
     ref = cupy.from_dlpack(p_ref.detach())
     query = cupy.from_dlpack(p_query.detach())
-    nn = NearestNeighbors(n_neighbors=k, algorithm=algorithm, output_type="cupy").fit(ref)
+    nn = NearestNeighbors(n_neighbors=k, algorithm=algorithm, output_type="cupy").fit(
+        ref
+    )
     return nn.kneighbors(query, n_neighbors=k, return_distance=True)
 
 
-def centred(p_query: torch.Tensor, p_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both clouds shifted by the reference cloud's mean (on the device, no synchronisation).
-    Distances do not change; the float32 digits they are computed from come back."""
+def centred(
+    p_query: torch.Tensor, p_ref: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both clouds shifted by the reference cloud's mean (on the device, no
+    synchronisation). Distances do not change; the float32 digits they are computed from
+    come back."""
     centre = p_ref.detach().mean(dim=0)
     return p_query.detach() - centre, p_ref.detach() - centre
 
@@ -65,25 +73,33 @@ def centred(p_query: torch.Tensor, p_ref: torch.Tensor) -> tuple[torch.Tensor, t
 def exact_distances(
     p_query: torch.Tensor, p_ref: torch.Tensor, indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distances to the found neighbours from coordinate differences, ascending along each
-    row, with the indices in the same order."""
+    """Distances to the found neighbours from coordinate differences, ascending along
+    each row, with the indices in the same order."""
     d = (p_query[:, None, :] - p_ref[indices]).norm(dim=-1)
     d, order = d.sort(dim=1)
     return d, indices.gather(1, order)
 
 
 def knn_plain(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str = DEFAULT_ALGORITHM
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuML's kNN called directly (no custom operator): ``(M, k)`` float32 distances ascending
-    and ``(M, k)`` int64 indices. Breaks the graph of a compiled caller."""
+    """cuML's kNN called directly (no custom operator): ``(M, k)`` float32 distances
+    ascending and ``(M, k)`` int64 indices. Breaks the graph of a compiled caller."""
     _, indices = _search(*centred(p_query, p_ref), k, check_algorithm(algorithm))
     return exact_distances(p_query, p_ref, torch.from_dlpack(indices).long())
 
 
-@torch.library.custom_op("cuml::knn", mutates_args=(), device_types="cuda", tags=CUDAGRAPH_UNSAFE)
+@torch.library.custom_op(
+    "cuml::knn", mutates_args=(), device_types="cuda", tags=CUDAGRAPH_UNSAFE
+)
 def knn_op(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str = DEFAULT_ALGORITHM
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """k nearest reference points by cuML, as a PyTorch operator.
 
@@ -94,8 +110,8 @@ def knn_op(
         algorithm: one of :data:`ALGORITHMS`.
 
     Returns:
-        distances ``(M, k)`` float32 ascending, indices ``(M, k)`` int64; fresh tensors owned by
-        PyTorch's allocator, ready on the current stream.
+        distances ``(M, k)`` float32 ascending, indices ``(M, k)`` int64; fresh tensors
+        owned by PyTorch's allocator, ready on the current stream.
     """
     check_knn(p_query, p_ref, k)
     check_algorithm(algorithm)
@@ -104,9 +120,11 @@ def knn_op(
     # cuML runs on its own stream: the inputs must be complete before it reads them.
     stream.synchronize()
     _, found = _search(q, r, k, algorithm)
-    indices = torch.empty((p_query.shape[0], k), dtype=torch.int64, device=p_query.device)
-    # Copy out of cuML's buffer on PyTorch's stream and wait for the copy, so that the buffer
-    # may be freed (and reused by cuML) as soon as this function returns.
+    indices = torch.empty(
+        (p_query.shape[0], k), dtype=torch.int64, device=p_query.device
+    )
+    # Copy out of cuML's buffer on PyTorch's stream and wait for the copy, so that the
+    # buffer may be freed (and reused by cuML) as soon as this function returns.
     indices.copy_(torch.from_dlpack(found))
     stream.synchronize()
     return exact_distances(p_query, p_ref, indices)
@@ -114,9 +132,13 @@ def knn_op(
 
 @knn_op.register_fake
 def _knn_fake(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str = DEFAULT_ALGORITHM
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    algorithm: str = DEFAULT_ALGORITHM,
 ):
-    # The real operator's contract, metadata only: a compiled caller fails at trace time.
+    # The real operator's contract, metadata only: a compiled caller fails at trace
+    # time.
     check_knn(p_query, p_ref, k, values=False)
     check_algorithm(algorithm)
     m = p_query.shape[0]

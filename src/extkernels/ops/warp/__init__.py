@@ -3,14 +3,18 @@
 Organised by role:
 
 - :mod:`~.kernels`: the Warp kernels (chapter 5 shows them one by one);
-- :mod:`~.ops`: the custom operators, each with its fake and its autograd (chapters 5-6);
+- :mod:`~.ops`: the custom operators, each with its fake and its autograd (chapters
+  5-6);
 - :mod:`~.grids`: the pool that owns every hash grid, from forward to backward and into
   CUDA graphs (chapters 6-7);
-- :mod:`~.saved`: the simple hand-over through ``ctx``, which chapter 6 compares with it;
+- :mod:`~.saved`: the simple hand-over through ``ctx``, which chapter 6 compares with
+  it;
 - :mod:`~.interop`: handing tensors and streams to Warp cheaply (chapter 7).
 
-Importing the backend registers it and its operators (``torch.ops.warp.*``) without importing
-Warp: Warp is imported, and the kernels compiled (and cached on disk by Warp), on first use.
+Importing the backend registers it and its operators (``torch.ops.warp.*``) without
+importing
+Warp: Warp is imported, and the kernels compiled (and cached on disk by Warp), on first
+    use.
 """
 
 from __future__ import annotations
@@ -50,8 +54,8 @@ def available() -> bool:
 
 
 def init() -> Any:
-    """Import and initialise Warp now (chapters call it in their first cells, so that Warp's
-    one-time messages land there); returns the ``warp`` module."""
+    """Import and initialise Warp now (chapters call it in their first cells, so that
+    Warp's one-time messages land there); returns the ``warp`` module."""
     return warp()
 
 
@@ -61,8 +65,8 @@ def grid_cache_size() -> int:
 
 
 def clear_grid_cache() -> None:
-    """Free every hash grid the backend holds (for example after inference, which leaves the
-    forwards' grids behind), spares included."""
+    """Free every hash grid the backend holds (for example after inference, which leaves
+    the forwards' grids behind), spares included."""
     POOL.clear()
 
 
@@ -76,12 +80,14 @@ def radius_aggregate(
     backward: str = "adjoint",
     handover: str = "pool",
 ) -> torch.Tensor:
-    """Radius-bounded aggregation by ``torch.ops.warp.radius_aggregate``; returns ``(M, F)``.
+    """Radius-bounded aggregation by ``torch.ops.warp.radius_aggregate``; returns ``(M,
+    F)``.
 
-    ``backward="manual"`` calls ``torch.ops.warp.radius_aggregate_manual`` instead: the same
-    forward, differentiated by the hand-written kernel instead of Warp's adjoint.
-    ``handover="saved"`` calls ``torch.ops.warp.radius_aggregate_saved``: the normalisers
-    reach the backward through ``ctx`` and the grid is built again (with Warp's adjoint).
+    ``backward="manual"`` calls ``torch.ops.warp.radius_aggregate_manual`` instead: the
+    same forward, differentiated by the hand-written kernel instead of Warp's adjoint.
+    ``handover="saved"`` calls ``torch.ops.warp.radius_aggregate_saved``: the
+    normalisers reach the backward through ``ctx`` and the grid is built again (with
+    Warp's adjoint).
     """
     if handover not in HANDOVERS:
         raise ValueError(f"handover: expected one of {HANDOVERS}, got {handover!r}")
@@ -89,14 +95,19 @@ def radius_aggregate(
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     if handover == "saved":
         if backward != "adjoint":
-            raise ValueError("backward: the 'saved' hand-over differentiates with 'adjoint'")
-        return torch.ops.warp.radius_aggregate_saved(p_query, p_ref, feats, radius, sigma)[0]
+            raise ValueError(
+                "backward: the 'saved' hand-over differentiates with 'adjoint'"
+            )
+        return torch.ops.warp.radius_aggregate_saved(
+            p_query, p_ref, feats, radius, sigma
+        )[0]
     if backward == "adjoint":
         return torch.ops.warp.radius_aggregate(p_query, p_ref, feats, radius, sigma)
     return torch.ops.warp.radius_aggregate_manual(p_query, p_ref, feats, radius, sigma)
 
 
-# Every capture by extkernels.graphs tells Warp about itself (see interop.registered_capture).
+# Every capture by extkernels.graphs tells Warp about itself (see
+# interop.registered_capture).
 capture.register_hook(registered_capture)
 
 BACKEND = register(

@@ -1,31 +1,35 @@
-"""The warp backend's custom operators, each with its fake and its autograd (chapters 5-6).
+"""The warp backend's custom operators, each with its fake and its autograd (chapters
+5-6).
 
-- ``warp::radius_aggregate`` (:func:`radius_aggregate_op`): the forward, differentiable in
-  ``feats``; its backward calls
+- ``warp::radius_aggregate`` (:func:`radius_aggregate_op`): the forward, differentiable
+  in ``feats``; its backward calls
 - ``warp::radius_aggregate_backward``: Warp's adjoint of the :data:`~.kernels.aggregate`
   kernel (``wp.launch(..., adjoint=True)``);
 - ``warp::radius_aggregate_manual``: the same forward, its backward calling
-- ``warp::radius_aggregate_backward_manual``: the hand-written :data:`~.kernels.scatter`.
+- ``warp::radius_aggregate_backward_manual``: the hand-written
+  :data:`~.kernels.scatter`.
 
-The backward is chosen by the operator's name, not by a setting read by the autograd formula:
-such a setting would be read once, at trace time, and compiled-graph caches (in memory and on
-disk) would not know about it.
+The backward is chosen by the operator's name, not by a setting read by the autograd
+formula: such a setting would be read once, at trace time, and compiled-graph caches (in
+memory and on disk) would not know about it.
 
 Every operator and every fake checks its arguments by the one contract of
-:mod:`~extkernels.ops.checks` (the fakes metadata only), so ``torch.compile(fullgraph=True)``
-traces through them and fails at trace time on a bad argument. The hash grid travels from
-forward to backward through :data:`~.grids.POOL`, not through the operators' signatures.
+:mod:`~extkernels.ops.checks` (the fakes metadata only), so
+``torch.compile(fullgraph=True)`` traces through them and fails at trace time on a bad
+argument. The hash grid travels from forward to backward through :data:`~.grids.POOL`,
+not through the operators' signatures.
 
-**No hidden synchronisation.** Tensors reach Warp as kept descriptors over their own memory;
-on CUDA the grid's build and the kernels run on PyTorch's current stream, outputs and adjoint
-buffers are PyTorch tensors, and the host never waits for the device, except for the check of
-finite coordinates (once per call, and off under
+**No hidden synchronisation.** Tensors reach Warp as kept descriptors over their own
+memory; on CUDA the grid's build and the kernels run on PyTorch's current stream,
+outputs and adjoint buffers are PyTorch tensors, and the host never waits for the
+device, except for the check of finite coordinates (once per call, and off under
 :func:`~extkernels.ops.checks.value_checks` ``(False)``). Because of that check and the
-Python-side grid pool, the operators carry the ``cudagraph_unsafe`` tag: inductor's CUDA graphs
-leave them out; :mod:`extkernels.graphs` captures them by hand.
+Python-side grid pool, the operators carry the ``cudagraph_unsafe`` tag: inductor's CUDA
+graphs leave them out; :mod:`extkernels.graphs` captures them by hand.
 """
 
-# No ``from __future__ import annotations``: torch.library reads the annotations as types.
+# No ``from __future__ import annotations``: torch.library reads the annotations as
+# types.
 import functools
 from typing import Any
 
@@ -44,7 +48,8 @@ __all__ = [
     "radius_aggregate_backward_manual_op",
 ]
 
-#: The backward implementations: Warp's adjoint of the forward kernel, or the hand-written one.
+# : The backward implementations: Warp's adjoint of the forward kernel, or the
+# hand-written one.
 BACKWARDS = ("adjoint", "manual")
 
 
@@ -68,14 +73,17 @@ def _new_entry(
     at: Where,
     norms: torch.Tensor | None = None,
 ) -> Entry:
-    """A grid over ``p_ref``, the descriptors of both clouds, and the per-query normalisers
-    ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) / sigma)``): the rows of
-    ``norms`` ``(2, M)``, or of a fresh tensor for a kernel to fill."""
+    """A grid over ``p_ref``, the descriptors of both clouds, and the per-query
+    normalisers ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) /
+    sigma)``): the rows of ``norms`` ``(2, M)``, or of a fresh tensor for a kernel to
+    fill."""
     wp = kernels().wp
     grid, grid_id = POOL.build(p_ref, radius, at)
     points = (descriptor(p_query, wp.vec3), descriptor(p_ref, wp.vec3))
     if norms is None:
-        norms = torch.empty((2, p_query.shape[0]), dtype=torch.float32, device=p_query.device)
+        norms = torch.empty(
+            (2, p_query.shape[0]), dtype=torch.float32, device=p_query.device
+        )
     shift, inv_norm = norms  # one allocation, two contiguous rows
     norm_descs = (descriptor(shift), descriptor(inv_norm))
     return Entry(grid, grid_id, (shift, inv_norm), norm_descs, points, at)
@@ -85,41 +93,65 @@ def _new_entry(
 
 
 def _forward(
-    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
 ) -> torch.Tensor:
-    """The real forward of both forward operators: build the grid, run the one-walk kernel,
-    keep the grid and the normalisers in the pool for the backward."""
+    """The real forward of both forward operators: build the grid, run the one-walk
+    kernel, keep the grid and the normalisers in the pool for the backward."""
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
     at = where(p_ref.device)
     m, f = p_query.shape[0], feats.shape[1]
     entry = _new_entry(p_query, p_ref, radius, at)
     out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
-    args = [entry.grid_id, *entry.points, descriptor(feats), radius, sigma, descriptor(out)]
+    args = [
+        entry.grid_id,
+        *entry.points,
+        descriptor(feats),
+        radius,
+        sigma,
+        descriptor(out),
+    ]
     launch(kernels().aggregate_online, (m, _threads(f)), [*args, *entry.norm_descs], at)
     POOL.put(entry_key(p_query, p_ref, radius, sigma), entry)
     return out
 
 
 def _forward_fake(
-    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
 ) -> torch.Tensor:
-    # The real operator's contract, metadata only: a compiled caller fails at trace time.
+    # The real operator's contract, metadata only: a compiled caller fails at trace
+    # time.
     check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
     return p_query.new_empty((p_query.shape[0], feats.shape[1]))
 
 
 def _define_forward(name: str, backward: Any, doc: str) -> Any:
-    """One forward operator: the custom op, its fake right beneath it, its autograd next to
-    it (the backward formula calls the operator ``backward``)."""
+    """One forward operator: the custom op, its fake right beneath it, its autograd next
+    to it (the backward formula calls the operator ``backward``)."""
 
     def forward(
-        p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+        p_query: torch.Tensor,
+        p_ref: torch.Tensor,
+        feats: torch.Tensor,
+        radius: float,
+        sigma: float,
     ) -> torch.Tensor:
         return _forward(p_query, p_ref, feats, radius, sigma)
 
     forward.__doc__ = doc
     op = torch.library.custom_op(
-        name, forward, mutates_args=(), device_types=("cpu", "cuda"), tags=CUDAGRAPH_UNSAFE
+        name,
+        forward,
+        mutates_args=(),
+        device_types=("cpu", "cuda"),
+        tags=CUDAGRAPH_UNSAFE,
     )
     op.register_fake(_forward_fake)
     op.register_autograd(_autograd_formula(backward), setup_context=_setup_context)
@@ -141,7 +173,9 @@ def _backward_impl(
     if kind not in BACKWARDS:
         raise ValueError(f"kind: expected one of {BACKWARDS}, got {kind!r}")
     # Metadata only: the forward checked the values.
-    radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
+    radius, sigma = check_radius_aggregate(
+        p_query, p_ref, feats, radius, sigma, values=False
+    )
     check_grad_out(grad_out, p_query, feats)
     k = kernels()
     m, f = grad_out.shape
@@ -156,15 +190,23 @@ def _backward_impl(
     common = [entry.grid_id, *entry.points]
     if kind == "adjoint":
         # The adjoint of `aggregate`: the forward arguments again, then one adjoint per
-        # argument. Only feats and out have one; None is a null array (no gradient wanted) and
-        # 0.0 the adjoint of a float argument. The adjoint kernel replays the forward,
-        # including the stores inside `store4` (a wp.func's stores are replayed, a kernel's
-        # own are not), so `out` must be real memory: a scratch tensor nobody reads.
+        # argument. Only feats and out have one; None is a null array (no gradient
+        # wanted) and 0.0 the adjoint of a float argument. The adjoint kernel replays
+        # the forward, including the stores inside `store4` (a wp.func's stores are
+        # replayed, a kernel's own are not), so `out` must be real memory: a scratch
+        # tensor nobody reads.
         scratch = torch.empty_like(grad_out)
         launch(
             k.aggregate,
             (m, _threads(f)),
-            [*common, descriptor(feats), *entry.norm_descs, radius, sigma, descriptor(scratch)],
+            [
+                *common,
+                descriptor(feats),
+                *entry.norm_descs,
+                radius,
+                sigma,
+                descriptor(scratch),
+            ],
             at,
             adj_inputs=[0, None, None, descriptor(grad_feats), None, None, 0.0, 0.0]
             + [descriptor(grad_out)],
@@ -188,7 +230,8 @@ def _backward_fake(grad_out, p_query, p_ref, feats, radius, sigma) -> torch.Tens
 
 
 def _define_backward(name: str, kind: str, doc: str) -> Any:
-    """One backward operator (its fake right beneath it), computing the gradient by ``kind``."""
+    """One backward operator (its fake right beneath it), computing the gradient by
+    ``kind``."""
 
     def backward(
         grad_out: torch.Tensor,
@@ -202,7 +245,11 @@ def _define_backward(name: str, kind: str, doc: str) -> Any:
 
     backward.__doc__ = doc
     op = torch.library.custom_op(
-        name, backward, mutates_args=(), device_types=("cpu", "cuda"), tags=CUDAGRAPH_UNSAFE
+        name,
+        backward,
+        mutates_args=(),
+        device_types=("cpu", "cuda"),
+        tags=CUDAGRAPH_UNSAFE,
     )
     op.register_fake(_backward_fake)
     return op
@@ -219,18 +266,20 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _autograd_formula(backward_op):
-    """The backward of a forward operator, calling ``backward_op`` for the gradient of ``feats``."""
+    """The backward of a forward operator, calling ``backward_op`` for the gradient of
+    ``feats``."""
 
     def backward(ctx, grad_out: torch.Tensor):
         p_query, p_ref, feats = ctx.saved_tensors
         grad_feats = None
         if ctx.needs_input_grad[2]:
-            # The incoming gradient may be a broadcast view (the backward of a sum is an expand).
+            # The incoming gradient may be a broadcast view (the backward of a sum is an
+            # expand).
             grad_feats = backward_op(
                 grad_out.contiguous(), p_query, p_ref, feats, ctx.radius, ctx.sigma
             )
-        # Coordinates get no gradient: the weights are a function of geometry only, as in the
-        # torch reference, which computes them under no_grad.
+        # Coordinates get no gradient: the weights are a function of geometry only, as
+        # in the torch reference, which computes them under no_grad.
         return None, None, grad_feats, None, None
 
     return backward
@@ -248,10 +297,11 @@ Args:
     sigma: weight length scale, > 0.
 
 Returns:
-    ``(M, F)`` float32: ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]``
-    over ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready on
-    PyTorch's current stream. Keeps the hash grid in the pool for the backward, which is
-    {backward}.
+    ``(M, F)`` float32:
+    ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]`` over
+    ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready on
+    PyTorch's current stream. Keeps the hash grid in the pool for the backward, which
+    is {backward}.
 """
 _BACKWARD_DOC = """Gradient of the forward operator w.r.t. ``feats``, by {how}.
 
@@ -260,8 +310,8 @@ Args:
     p_query, p_ref, feats, radius, sigma: the forward's arguments.
 
 Returns:
-    ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid out of
-    the pool, or builds one.
+    ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid out
+    of the pool, or builds one.
 """
 
 radius_aggregate_backward_op = _define_backward(
@@ -277,10 +327,14 @@ radius_aggregate_backward_manual_op = _define_backward(
 radius_aggregate_op = _define_forward(
     "warp::radius_aggregate",
     radius_aggregate_backward_op,
-    _FORWARD_DOC.format(backward="Warp's adjoint (``warp::radius_aggregate_backward``)"),
+    _FORWARD_DOC.format(
+        backward="Warp's adjoint (``warp::radius_aggregate_backward``)"
+    ),
 )
 radius_aggregate_manual_op = _define_forward(
     "warp::radius_aggregate_manual",
     radius_aggregate_backward_manual_op,
-    _FORWARD_DOC.format(backward="hand-written (``warp::radius_aggregate_backward_manual``)"),
+    _FORWARD_DOC.format(
+        backward="hand-written (``warp::radius_aggregate_backward_manual``)"
+    ),
 )

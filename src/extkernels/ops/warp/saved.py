@@ -1,14 +1,16 @@
 """The simple hand-over from forward to backward, through ``ctx`` (chapter 6).
 
 The forward's per-query normalisers are tensors, so the plain way to hand them to the
-backward is the one every PyTorch tutorial shows: return them as a second output and keep
-them with ``ctx.save_for_backward``. The hash grid cannot travel that way (it is a Warp
-object, not a tensor), so the backward builds it again. ``warp::radius_aggregate_saved`` does
-exactly that; ``warp::radius_aggregate`` hands over the grid too, through the backend's pool
-(:mod:`~.grids`), and chapter 6 measures what that saves: one grid build per training step.
+backward is the one every PyTorch tutorial shows: return them as a second output and
+keep them with ``ctx.save_for_backward``. The hash grid cannot travel that way (it is a
+Warp object, not a tensor), so the backward builds it again.
+``warp::radius_aggregate_saved`` does exactly that; ``warp::radius_aggregate`` hands
+over the grid too, through the backend's pool (:mod:`~.grids`), and chapter 6 measures
+what that saves: one grid build per training step.
 """
 
-# No ``from __future__ import annotations``: torch.library reads the annotations as types.
+# No ``from __future__ import annotations``: torch.library reads the annotations as
+# types.
 from typing import Any
 
 import torch
@@ -28,11 +30,14 @@ def _check_norms(norms: object, p_query: torch.Tensor) -> None:
     want = (2, p_query.shape[0])
     if norms.dtype != torch.float32 or tuple(norms.shape) != want:
         raise ValueError(
-            f"norms: expected a float32 tensor of shape {want} (the forward's second output), "
+            f"norms: expected a float32 tensor of shape {want} (the forward's second "
+            "output), "
             f"got {norms.dtype} {tuple(norms.shape)}"
         )
     if not norms.is_contiguous():
-        raise ValueError("norms: expected a contiguous tensor (call .contiguous() first)")
+        raise ValueError(
+            "norms: expected a contiguous tensor (call .contiguous() first)"
+        )
     check_same_device(p_query=p_query, norms=norms)
 
 
@@ -43,13 +48,18 @@ def _check_norms(norms: object, p_query: torch.Tensor) -> None:
     tags=CUDAGRAPH_UNSAFE,
 )
 def radius_aggregate_saved_op(
-    p_query: torch.Tensor, p_ref: torch.Tensor, feats: torch.Tensor, radius: float, sigma: float
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``warp::radius_aggregate``, returning the normalisers too.
 
     Returns:
-        ``out`` ``(M, F)`` float32, and ``norms`` ``(2, M)`` float32: each query's nearest
-        in-radius distance and ``1 / sum_j exp((d0 - d_qj) / sigma)``. No grid is kept.
+        ``out`` ``(M, F)`` float32, and ``norms`` ``(2, M)`` float32: each query's
+        nearest in-radius distance and ``1 / sum_j exp((d0 - d_qj) / sigma)``. No grid
+        is kept.
     """
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
     at = where(p_ref.device)
@@ -57,7 +67,14 @@ def radius_aggregate_saved_op(
     norms = torch.empty((2, m), dtype=torch.float32, device=p_query.device)
     entry = _new_entry(p_query, p_ref, radius, at, norms=norms)
     out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
-    args = [entry.grid_id, *entry.points, descriptor(feats), radius, sigma, descriptor(out)]
+    args = [
+        entry.grid_id,
+        *entry.points,
+        descriptor(feats),
+        radius,
+        sigma,
+        descriptor(out),
+    ]
     launch(kernels().aggregate_online, (m, _threads(f)), [*args, *entry.norm_descs], at)
     POOL.release(entry)  # its kernel is queued: the grid may serve the next call
     return out, norms
@@ -85,17 +102,19 @@ def radius_aggregate_backward_saved_op(
     radius: float,
     sigma: float,
 ) -> torch.Tensor:
-    """Gradient of ``warp::radius_aggregate_saved`` w.r.t. ``feats`` (Warp's adjoint), from
-    the normalisers the forward returned; builds the hash grid again.
+    """Gradient of ``warp::radius_aggregate_saved`` w.r.t. ``feats`` (Warp's adjoint),
+    from the normalisers the forward returned; builds the hash grid again.
 
     Returns:
         ``(N, F)`` float32 ``grad_feats``, a fresh tensor.
     """
-    radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
+    radius, sigma = check_radius_aggregate(
+        p_query, p_ref, feats, radius, sigma, values=False
+    )
     check_grad_out(grad_out, p_query, feats)
     _check_norms(norms, p_query)
-    # The grid again, with the normalisers from ctx, lent to the standard backward under the
-    # key it looks up (it takes the entry out and hands the grid back).
+    # The grid again, with the normalisers from ctx, lent to the standard backward under
+    # the key it looks up (it takes the entry out and hands the grid back).
     entry = _new_entry(p_query, p_ref, radius, where(p_ref.device), norms=norms)
     POOL.put(entry_key(p_query, p_ref, radius, sigma), entry)
     return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
