@@ -33,6 +33,24 @@ def test_ruff_lint_and_format_clean():
         )
 
 
+LINE_LENGTH = 88  # pyproject.toml's; the website's listings are laid out for it
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_code_lines_fit_the_page(path):
+    nb = nbformat.read(path, as_version=4)
+    long = [
+        f"cell {i}: {len(line)} characters: {line.strip()[:50]}"
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for line in cell.source.splitlines()
+        if len(line) > LINE_LENGTH
+    ]
+    assert not long, f"{path.name}: code lines over {LINE_LENGTH} characters:\n" + (
+        "\n".join(long)
+    )
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_valid_and_canonical(path):
     text = path.read_text()
