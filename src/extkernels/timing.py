@@ -211,10 +211,8 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
 
 def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
     """How variant ``a`` compares with ``b`` in ``metric`` (``forward`` or ``train``),
-    for
-    prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated
-        runs do
-    not overlap, otherwise ``"within the run-to-run spread of"``."""
+    for prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated
+    runs do not overlap, otherwise ``"within the run-to-run spread of"``."""
     lo, hi = f"{metric}_min", f"{metric}_max"
     if df.loc[a, hi] < df.loc[b, lo]:
         return "faster than"

@@ -94,8 +94,7 @@ def call_checked(fn: Callable[..., T], *args, **kwargs) -> T:
         _local.depth -= 1
 
 
-# ---------------------------------------------------------------- one argument at a
-# time
+# --------------------------------------------------------- one argument at a time
 
 
 def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:

@@ -37,9 +37,9 @@ __all__ = [
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
 
-# : Tags of a custom operator that synchronises with the host or keeps state in Python
-# between : calls: inductor's CUDA graphs (``mode="reduce-overhead"``) partition around
-# it : (``torch.Tag.cudagraph_unsafe``, torch >= 2.9; nothing on older releases).
+#: Tags of a custom operator that synchronises with the host or keeps state in Python
+#: between calls: inductor's CUDA graphs (``mode="reduce-overhead"``) partition around
+#: it (``torch.Tag.cudagraph_unsafe``, torch >= 2.9; nothing on older releases).
 CUDAGRAPH_UNSAFE: tuple = (
     (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 )

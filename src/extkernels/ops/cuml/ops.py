@@ -32,10 +32,10 @@ from ..registry import CUDAGRAPH_UNSAFE
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "centred", "knn_plain", "knn_op"]
 
-# : cuML's exact searches: ``brute`` compares every pair (in the expanded form);
-# ``rbc``, the : random ball cover, prunes with the triangle inequality around sampled
-# landmarks. cuML's : default, ``auto``, picks one by the data's shape; the book names
-# it (chapter 3 times both).
+#: cuML's exact searches: ``brute`` compares every pair (in the expanded form); ``rbc``,
+#: the random ball cover, prunes with the triangle inequality around sampled landmarks.
+#: cuML's default, ``auto``, picks one by the data's shape; the book names it (chapter 3
+#: times both).
 ALGORITHMS = ("brute", "rbc")
 DEFAULT_ALGORITHM = "rbc"
 

@@ -43,13 +43,13 @@ from .interop import Where, points_array, warp
 
 __all__ = ["Grid", "Entry", "GridPool", "POOL", "entry_key", "GRID_DESCRIPTOR_BYTES"]
 
-# : Cells per axis of a grid on CUDA (cells wrap around, so any cloud fits; 128^3 cells
-# cost : 16 MB and keep aliased cells rare for clouds up to ~128 radii across).
+#: Cells per axis of a grid on CUDA (cells wrap around, so any cloud fits; 128^3 cells
+#: cost 16 MB and keep aliased cells rare for clouds up to ~128 radii across).
 CUDA_GRID_DIM = 128
 #: Upper bound of the cells per axis on the CPU, where the grid is sized to the cloud.
 CPU_GRID_DIM_MAX = 64
-# : Bytes of Warp's float32 grid descriptor (``wp::HashGrid_t<float>``, Warp's
-# hashgrid.h); : :func:`check_descriptor_layout` checks it against the running Warp.
+#: Bytes of Warp's float32 grid descriptor (``wp::HashGrid_t<float>``, Warp's
+#: hashgrid.h); :func:`check_descriptor_layout` checks it against the running Warp.
 GRID_DESCRIPTOR_BYTES = 88
 
 

@@ -48,8 +48,8 @@ __all__ = [
     "radius_aggregate_backward_manual_op",
 ]
 
-# : The backward implementations: Warp's adjoint of the forward kernel, or the
-# hand-written one.
+#: The backward implementations: Warp's adjoint of the forward kernel, or the
+#: hand-written one.
 BACKWARDS = ("adjoint", "manual")
 
 
