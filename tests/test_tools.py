@@ -147,7 +147,7 @@ def test_top_kernels_columns(knn_kernels):
         "time (ms)",
         "share (%)",
         "calls",
-        "memory (MB)",
+        "memory (MiB)",
     ]
 
 
@@ -444,3 +444,17 @@ def test_verdict_claims_a_difference_only_when_the_ranges_do_not_overlap(
     rows = [{"variant": "a", "forward_ms": f, "train_ms": f} for f in (1.0, 2.0)]
     rows += [{"variant": "b", "forward_ms": f, "train_ms": f} for f in b_runs]
     assert timing.verdict(timing.timings_frame(rows), "a", "b").startswith(expected)
+
+
+@pytest.mark.gpu
+def test_top_kernels_on_the_host_show_the_compiled_wrapper():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = torch.randn(1024, device="cuda")
+    fn = torch.compile(lambda t: (t * 2).sin())
+    prof = profiling.profile(lambda: fn(x), device=torch.device("cuda"), n_iters=3)
+    host = profiling.top_kernels(prof, top=50, host=True)["name"]
+    device = profiling.top_kernels(prof, top=50)["name"]
+    # The generated kernel runs on the device; the compiled region's wrapper on the host.
+    assert host.str.contains("Compiled|compiled", regex=True).any(), host.tolist()
+    assert not device.str.contains("Torch-Compiled Region").any(), device.tolist()

@@ -61,7 +61,7 @@ def use_rmm_pool(
 
 
 def rmm_statistics() -> dict[str, float]:
-    """Current and peak bytes (in MB) and allocation counts of RMM's statistics
+    """Current and peak memory (in MiB, 2**20 bytes) and allocation counts of RMM's statistics
     adaptor."""
     import rmm
 

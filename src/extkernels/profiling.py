@@ -58,19 +58,20 @@ def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def top_kernels(prof, top: int = 8) -> pd.DataFrame:
+def top_kernels(prof, top: int = 8, *, host: bool = False) -> pd.DataFrame:
     """The operators that spend the most time, per iteration.
 
     On a GPU the time is the *self device time* of each operator (the kernels it
     launched itself; inductor's generated Triton kernels appear under their own names);
-    on the CPU it is the self CPU time. ``share`` is the fraction of the total of that
-    column.
+    on the CPU, or with ``host=True``, it is the self CPU time: what the host spends in
+    each operator and wrapper, the compiled function's own machinery included.
+    ``share`` is the fraction of the total of that column.
 
     Returns:
         DataFrame with columns ``name``, ``time (ms)``, ``share (%)``, ``calls``,
-        ``memory (MB)``, one row per operator, largest first.
+        ``memory (MiB)``, one row per operator, largest first.
     """
-    on_gpu = getattr(prof, "device_type", "cpu") == "cuda"
+    on_gpu = getattr(prof, "device_type", "cpu") == "cuda" and not host
     n = getattr(prof, "n_iters", 1)
     rows = []
     for evt in prof.key_averages():
@@ -80,12 +81,12 @@ def top_kernels(prof, top: int = 8) -> pd.DataFrame:
         mem = evt.self_device_memory_usage if on_gpu else evt.self_cpu_memory_usage
         if t > 0:
             rows.append((evt.key, t / 1e3 / n, evt.count // n, max(mem, 0) / 2**20 / n))
-    df = pd.DataFrame(rows, columns=["name", "time (ms)", "calls", "memory (MB)"])
+    df = pd.DataFrame(rows, columns=["name", "time (ms)", "calls", "memory (MiB)"])
     total = df["time (ms)"].sum()
     df["share (%)"] = 100 * df["time (ms)"] / total if total else 0.0
     df = df.sort_values("time (ms)", ascending=False).head(top).reset_index(drop=True)
     df["name"] = df["name"].map(_short)
-    return df[["name", "time (ms)", "share (%)", "calls", "memory (MB)"]].round(3)
+    return df[["name", "time (ms)", "share (%)", "calls", "memory (MiB)"]].round(3)
 
 
 def stacked(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:

@@ -51,6 +51,8 @@ class Variant:
             operators') then skip the hand-over to that thread.
         graphs: time the forward pass and the training step each captured in one CUDA
             graph and replayed (:mod:`extkernels.graphs`); needs a CUDA device.
+        mode: ``torch.compile``'s mode (``"reduce-overhead"``: inductor replays the
+            compiled graphs as CUDA graphs, around operators tagged unsafe for them).
     """
 
     name: str
@@ -64,6 +66,7 @@ class Variant:
     setup: Callable[[], None] | None = None
     backward_thread: bool = True
     graphs: bool = False
+    mode: str | None = None
 
     @property
     def op(self) -> str:
@@ -100,7 +103,9 @@ class Variant:
         torch.manual_seed(prob.seed)
         model = Projector(agg, prob.hidden).to(prob.device)
         run_model = (
-            torch.compile(model, fullgraph=self.fullgraph) if self.compile else model
+            torch.compile(model, fullgraph=self.fullgraph, mode=self.mode)
+            if self.compile
+            else model
         )
         return model, run_model, (p_query, p_ref, target)
 
@@ -173,6 +178,15 @@ VARIANTS: list[Variant] = [
         fullgraph=True,
         chapter=6,
         options={"handover": "saved"},
+    ),
+    Variant(
+        "radius/warp+reduce-overhead",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=6,
+        mode="reduce-overhead",
     ),
     Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
     Variant(

@@ -44,7 +44,7 @@ from .interop import Where, points_array, warp
 __all__ = ["Grid", "Entry", "GridPool", "POOL", "entry_key", "GRID_DESCRIPTOR_BYTES"]
 
 #: Cells per axis of a grid on CUDA (cells wrap around, so any cloud fits; 128^3 cells
-#: cost 16 MB and keep aliased cells rare for clouds up to ~128 radii across).
+#: cost 16 MiB and keep aliased cells rare for clouds up to ~128 radii across).
 CUDA_GRID_DIM = 128
 #: Upper bound of the cells per axis on the CPU, where the grid is sized to the cloud.
 CPU_GRID_DIM_MAX = 64

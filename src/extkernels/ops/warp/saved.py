@@ -31,8 +31,7 @@ def _check_norms(norms: object, p_query: torch.Tensor) -> None:
     if norms.dtype != torch.float32 or tuple(norms.shape) != want:
         raise ValueError(
             f"norms: expected a float32 tensor of shape {want} (the forward's second "
-            "output), "
-            f"got {norms.dtype} {tuple(norms.shape)}"
+            f"output), got {norms.dtype} {tuple(norms.shape)}"
         )
     if not norms.is_contiguous():
         raise ValueError(
