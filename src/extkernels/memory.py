@@ -61,8 +61,8 @@ def use_rmm_pool(
 
 
 def rmm_statistics() -> dict[str, float]:
-    """Current and peak memory (in MiB, 2**20 bytes) and allocation counts of RMM's statistics
-    adaptor."""
+    """Current and peak memory (in MiB, 2**20 bytes) and allocation counts of RMM's
+    statistics adaptor."""
     import rmm
 
     mr = rmm.mr.get_current_device_resource()
