@@ -455,6 +455,6 @@ def test_top_kernels_on_the_host_show_the_compiled_wrapper():
     prof = profiling.profile(lambda: fn(x), device=torch.device("cuda"), n_iters=3)
     host = profiling.top_kernels(prof, top=50, host=True)["name"]
     device = profiling.top_kernels(prof, top=50)["name"]
-    # The generated kernel runs on the device, the compiled region's wrapper on the host.
+    # The generated kernel runs on the device; the wrapper of the region on the host.
     assert host.str.contains("Compiled|compiled", regex=True).any(), host.tolist()
     assert not device.str.contains("Torch-Compiled Region").any(), device.tolist()
