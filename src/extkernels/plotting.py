@@ -14,8 +14,19 @@ import pandas as pd
 
 __all__ = ["timing_bars", "scaling_plot", "timeline_plot"]
 
-# Compact PNGs: stored notebooks stay small.
-mpl.rcParams.update({"figure.dpi": 90, "savefig.dpi": 90, "figure.figsize": (7.0, 3.2)})
+# Compact PNGs, so stored notebooks stay small, and narrow ones: a 560-px figure with
+# 10-point text keeps its labels legible when a phone's 420-px screen scales it down.
+WIDTH = 5.6
+mpl.rcParams.update(
+    {
+        "figure.dpi": 100,
+        "savefig.dpi": 100,
+        "figure.figsize": (WIDTH, 3.4),
+        "font.size": 10,
+        "axes.titlesize": 10,
+        "legend.fontsize": 9,
+    }
+)
 
 
 def _spread(df: pd.DataFrame, metric: str):
@@ -40,7 +51,7 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     Returns:
         The matplotlib figure.
     """
-    fig, ax = plt.subplots(figsize=(7.0, 0.55 * len(df) + 1.2))
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(df) + 1.6))
     y = np.arange(len(df))
     h = 0.38
     whiskers = {"capsize": 2, "elinewidth": 0.8, "ecolor": "0.25"}
@@ -70,7 +81,7 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
                 xytext=(3, 0),
                 textcoords="offset points",
                 va="center",
-                fontsize=8,
+                fontsize=9,
             )
     ax.set_yticks(y, df.index)
     ax.invert_yaxis()
@@ -79,13 +90,11 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
         ax.set_xscale("log")
     ax.margins(x=0.15)
     runs = int(df["repeats"].min()) if "repeats" in df else 1
-    note = f", median of {runs} runs, whiskers min-max" if runs > 1 else ""
-    ax.set_title(f"{title} — {hardware}{note}", fontsize=9)
+    note = f", median of {runs} runs (whiskers: min-max)" if runs > 1 else ""
+    fig.suptitle(f"{title}\n{hardware}{note}")
     # Below the axes, where it covers no bar.
-    fig.legend(
-        handles=[bars_f, bars_t], loc="lower center", ncol=2, fontsize=8, frameon=False
-    )
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles=[bars_f, bars_t], loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # suptitle included
     return fig
 
 
@@ -105,8 +114,8 @@ def scaling_plot(
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(f"{title} — {hardware}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_title(f"{title}\n{hardware}")
+    ax.legend()
     fig.tight_layout()
     return fig
 
@@ -119,7 +128,7 @@ def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
         The matplotlib figure.
     """
     lanes = list(dict.fromkeys(tl["lane"]))
-    fig, ax = plt.subplots(figsize=(7.0, 0.6 * len(lanes) + 1.2))
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(lanes) + 1.4))
     colors = {"GPU kernels": "tab:blue", "host waits": "tab:red"}
     for i, lane in enumerate(lanes):
         part = tl[tl["lane"] == lane]
@@ -130,6 +139,6 @@ def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
         )
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("time (ms)")
-    ax.set_title(f"{title} — {hardware}", fontsize=10)
+    ax.set_title(f"{title}\n{hardware}")
     fig.tight_layout()
     return fig
