@@ -458,3 +458,9 @@ def test_top_kernels_on_the_host_show_the_compiled_wrapper():
     # The generated kernel runs on the device; the wrapper of the region on the host.
     assert host.str.contains("Compiled|compiled", regex=True).any(), host.tolist()
     assert not device.str.contains("Torch-Compiled Region").any(), device.tolist()
+
+
+def test_a_variant_that_fails_in_its_process_reports_its_error():
+    with pytest.raises(RuntimeError, match="no/such-variant") as failure:
+        benchmark._run_isolated("no/such-variant")
+    assert "Traceback" in str(failure.value)  # the child's stderr, kept for the reader

@@ -47,7 +47,15 @@ def _run_isolated(name: str, *, cold: bool = True) -> list[dict]:
             "--rows-only",
             out,
         ]
-        subprocess.run(cmd + ([] if cold else ["--warm-start"]), check=True)
+        # The child's warnings (graph breaks a variant makes on purpose, one-time
+        # messages of the libraries) would repeat in every run: shown only on failure.
+        child = subprocess.run(
+            cmd + ([] if cold else ["--warm-start"]), capture_output=True, text=True
+        )
+        if child.returncode != 0:
+            raise RuntimeError(
+                f"variant {name} failed in its process:\n{child.stderr[-4000:]}"
+            )
         with open(out) as f:
             return json.load(f)
 
