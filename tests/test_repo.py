@@ -188,15 +188,15 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
     from extkernels.ops import warp as warp_backend
     from extkernels.ops.warp import interop, kernels
     from extkernels.ops.warp import ops as warp_ops
+    from extkernels.ops.warp import saved
 
     names = {"ek": ek, "graphs": graphs, "wi": wi, "warp_backend": warp_backend}
-    names.update(interop=interop, kernels=kernels, warp_ops=warp_ops)
+    names.update(interop=interop, kernels=kernels, warp_ops=warp_ops, saved=saved)
     obj = eval(expression, names)
     source = inspect.getsource(
         getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj
     )
     assert source.rstrip() == stored.rstrip(), (
         f"{name}, cell {cell}: the listing of {expression} is not the package's code "
-        "any more; "
-        "re-execute the chapter"
+        "any more; re-execute the chapter"
     )
