@@ -186,9 +186,8 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
     from extkernels import graphs
     from extkernels.experiments import warp_interop as wi
     from extkernels.ops import warp as warp_backend
-    from extkernels.ops.warp import interop, kernels
+    from extkernels.ops.warp import interop, kernels, saved
     from extkernels.ops.warp import ops as warp_ops
-    from extkernels.ops.warp import saved
 
     names = {"ek": ek, "graphs": graphs, "wi": wi, "warp_backend": warp_backend}
     names.update(interop=interop, kernels=kernels, warp_ops=warp_ops, saved=saved)
