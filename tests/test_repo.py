@@ -1,5 +1,6 @@
 """House rules of the repository: lint, canonical notebooks, small committed files."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,10 @@ def test_ruff_lint_and_format_clean():
         )
 
 
-LINE_LENGTH = 88  # pyproject.toml's; the website's listings are laid out for it
+# ruff's line length, which the website's listings are laid out for
+LINE_LENGTH = int(
+    re.search(r"^line-length = (\d+)", (ROOT / "pyproject.toml").read_text(), re.M)[1]
+)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -109,8 +113,6 @@ def _requirement_lines(path: Path) -> list[str]:
 def cuda_majors(path: Path) -> dict[int, list[str]]:
     """CUDA major -> the lines of ``path`` (includes followed) that pull a build of
     it."""
-    import re
-
     found: dict[int, list[str]] = {}
     for line in _requirement_lines(path):
         name = re.split(r"[=<>!~@\[; ]", line, maxsplit=1)[0].lower()
@@ -156,8 +158,6 @@ def test_the_mixing_check_sees_a_mixed_file(tmp_path):
 def _listings() -> list:
     """``(notebook, cell, expression, stored text)`` of every ``show_source(...)``
     cell."""
-    import re
-
     found = []
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
