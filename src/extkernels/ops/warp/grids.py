@@ -98,7 +98,7 @@ class Entry:
 
     grid: Grid
     grid_id: int  # grid.grid.id, or its descriptor copy inside a capture
-    norms: tuple  # (shift, inv_norm) tensors, kept alive for their descriptors
+    norms: torch.Tensor  # (2, M): rows shift and inv_norm, alive for their descriptors
     norm_descs: tuple
     points: tuple  # descriptors of (p_query, p_ref)
     where: Where

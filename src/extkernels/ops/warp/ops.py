@@ -86,21 +86,21 @@ def _new_entry(
         )
     shift, inv_norm = norms  # one allocation, two contiguous rows
     norm_descs = (descriptor(shift), descriptor(inv_norm))
-    return Entry(grid, grid_id, (shift, inv_norm), norm_descs, points, at)
+    return Entry(grid, grid_id, norms, norm_descs, points, at)
 
 
 # ---------------------------------------------------------------- forward
 
 
-def _forward(
+def _launch_online(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
     feats: torch.Tensor,
     radius: float,
     sigma: float,
-) -> torch.Tensor:
-    """The real forward of both forward operators: build the grid, run the one-walk
-    kernel, keep the grid and the normalisers in the pool for the backward."""
+) -> tuple[Entry, torch.Tensor]:
+    """Check the arguments, build the grid, run the one-walk kernel; return the grid's
+    entry (the kernel fills its normalisers) and the output."""
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
     at = where(p_ref.device)
     m, f = p_query.shape[0], feats.shape[1]
@@ -115,6 +115,19 @@ def _forward(
         descriptor(out),
     ]
     launch(kernels().aggregate_online, (m, _threads(f)), [*args, *entry.norm_descs], at)
+    return entry, out
+
+
+def _forward(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    """The real forward of both forward operators: launch the kernel, keep the grid and
+    the normalisers in the pool for the backward."""
+    entry, out = _launch_online(p_query, p_ref, feats, radius, sigma)
     POOL.put(entry_key(p_query, p_ref, radius, sigma), entry)
     return out
 

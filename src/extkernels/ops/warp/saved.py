@@ -18,8 +18,8 @@ import torch
 from ..checks import check_grad_out, check_radius_aggregate, check_same_device
 from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, entry_key
-from .interop import descriptor, launch, where
-from .ops import _backward_impl, _new_entry, _threads, kernels
+from .interop import where
+from .ops import _backward_impl, _launch_online, _new_entry
 
 __all__ = ["radius_aggregate_saved_op", "radius_aggregate_backward_saved_op"]
 
@@ -60,23 +60,9 @@ def radius_aggregate_saved_op(
         nearest in-radius distance and ``1 / sum_j exp((d0 - d_qj) / sigma)``. No grid
         is kept.
     """
-    radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
-    at = where(p_ref.device)
-    m, f = p_query.shape[0], feats.shape[1]
-    norms = torch.empty((2, m), dtype=torch.float32, device=p_query.device)
-    entry = _new_entry(p_query, p_ref, radius, at, norms=norms)
-    out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
-    args = [
-        entry.grid_id,
-        *entry.points,
-        descriptor(feats),
-        radius,
-        sigma,
-        descriptor(out),
-    ]
-    launch(kernels().aggregate_online, (m, _threads(f)), [*args, *entry.norm_descs], at)
+    entry, out = _launch_online(p_query, p_ref, feats, radius, sigma)
     POOL.release(entry)  # its kernel is queued: the grid may serve the next call
-    return out, norms
+    return out, entry.norms
 
 
 @radius_aggregate_saved_op.register_fake
