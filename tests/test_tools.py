@@ -396,6 +396,9 @@ def test_results_tables_from_a_benchmark_file(tmp_path):
     assert (
         anchor.loc["radius/warp+compile", "this book (median)"] == ""
     )  # not in this file
+    merged = "2026-01-02T11:27:44+00:00, 2026-01-02T09:03:13+00:00"
+    assert results.measured({"date": merged}) == "2026-01-02 09:03 to 2026-01-02 11:27"
+    assert results.measured({"date": "2026-01-02T09:03:13+00:00"}) == "2026-01-02 09:03"
 
 
 def test_summary_is_narrow_and_says_median_and_range():

@@ -33,6 +33,14 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
     return data["meta"], df
 
 
+def measured(meta: dict) -> str:
+    """When the run started, UTC to the minute; for a merged file (one benchmark call
+    per batch of variants), the first and the last start."""
+    starts = sorted(d.strip() for d in meta["date"].split(","))
+    first, last = (d.replace("T", " ")[:16] for d in (starts[0], starts[-1]))
+    return first if first == last else f"{first} to {last}"
+
+
 def book_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
     """Every variant: its chapter, then the chapters' own summary of its timings
     (:func:`~extkernels.timing.summary`: median and range of the runs, speedups, peak
