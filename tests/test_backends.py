@@ -422,8 +422,7 @@ def test_fake_implementation_rejects(op, backend, device, make, error, fake):
             _operator(backend, op)(*fake_args)
 
 
-# ---------------------------------------------------------------- operators and the
-# compiler
+# ------------------------------------------------------- operators and the compiler
 
 
 def _example(op: str, device: str) -> tuple:

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PACKAGE = "extkernels"
 MAX_LINES = 400
-# : The experiment layers: what drives the chapters and the benchmark. Library layers
-# (data, : models, ops, training, timing, graphs, profiling, plotting, ...) never import
-# them.
+#: The experiment layers: what drives the chapters and the benchmark. Library layers
+#: (data, models, ops, training, timing, graphs, profiling, plotting, ...) never import
+#: them.
 EXPERIMENTS = ("extkernels.variants", "extkernels.benchmark", "extkernels.experiments")
 #: Imports inside functions, each for a reason: the module imports an optional library.
 LAZY = {("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp"}

@@ -92,9 +92,9 @@ def test_committed_files_are_small():
 
 # ---------------------------------------------------------------- requirements
 
-# : CUDA major of the default PyPI wheel of packages whose name does not say it (Linux
-# x86-64): : torch 2.13.0's default wheel is its CUDA 13.0 build, Warp's PyPI wheels are
-# CUDA 13 builds.
+#: CUDA major of the default PyPI wheel of packages whose name does not say it (Linux
+#: x86-64): torch 2.13.0's default wheel is its CUDA 13.0 build, Warp's PyPI wheels are
+#: CUDA 13 builds.
 DEFAULT_WHEEL_CUDA = {"torch": 13, "warp-lang": 13}
 
 
@@ -151,8 +151,7 @@ def test_the_mixing_check_sees_a_mixed_file(tmp_path):
     assert set(cuda_majors(mixed)) == {12, 13}
 
 
-# ---------------------------------------------------------------- listings in the
-# chapters
+# ------------------------------------------------------- listings in the chapters
 
 
 def _listings() -> list:

@@ -1,6 +1,5 @@
 """The execution command: run chapters top to bottom and store their outputs in place
-(chapter 1
-onward: every chapter's stored outputs come from it).
+(chapter 1 onward: every chapter's stored outputs come from it).
 
     python -m extkernels.execute book/                 # every chapter, in order
     python -m extkernels.execute book/01_eager_baseline.ipynb --timeout 900

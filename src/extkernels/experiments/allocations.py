@@ -23,9 +23,9 @@ from ..training import make_train_step
 __all__ = ["allocation_calls", "main"]
 
 
-# : ``none``: PyTorch's caching allocator and RMM's default (no pool) for cuML and CuPy;
-# : ``rapids``: an RMM pool for cuML and CuPy only; ``shared``: one RMM pool for all
-# three.
+#: ``none``: PyTorch's caching allocator and RMM's default (no pool) for cuML and
+#: CuPy; ``rapids``: an RMM pool for cuML and CuPy only; ``shared``: one RMM pool for
+#: all three.
 POOLS = ("none", "rapids", "shared")
 CALLS = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 

@@ -27,9 +27,9 @@ __all__ = [
     "synchronising_calls",
 ]
 
-# : Ways of handing a tensor to a kernel: three ways of calling ``wp.launch``, and
-# replaying a : launch command recorded once (``wp.launch(..., record_cmd=True)``) with
-# new descriptors.
+#: Ways of handing a tensor to a kernel: three ways of calling ``wp.launch``, and
+#: replaying a launch command recorded once (``wp.launch(..., record_cmd=True)``) with
+#: new descriptors.
 METHODS = (
     "from_torch",
     "from_torch(return_ctype=True)",

@@ -11,11 +11,10 @@ forwards that never see a backward (inference) are evicted by later ones;
 
 **No allocation in steady state.** Grids no kernel will read any more become *spares* (a
 few per device, stream and cell dimensions) and later forwards on the same stream
-rebuild them in
-place: the rebuild's kernels queue behind the kernels that read the grid, so stream
-    order
-alone makes the reuse safe. Only when the spares are full is a grid dropped, and on CUDA
-not before an event recorded after its last kernel has completed (*retired* grids).
+rebuild them in place: the rebuild's kernels queue behind the kernels that read the
+grid, so stream order alone makes the reuse safe. Only when the spares are full is a
+grid dropped, and on CUDA not before an event recorded after its last kernel has
+completed (*retired* grids).
 
 **CUDA graphs.** Warp ends a CUDA build by copying the grid's descriptor (array
 pointers, point count, cell width) from one host variable that all float grids share; a
