@@ -13,8 +13,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 cKDTree = pytest.importorskip("scipy.spatial").cKDTree
 
-from extkernels.ops.triton import kernels  # noqa: E402
-from extkernels.ops.triton import ops  # noqa: E402, F401  (registers the operator)
+from extkernels.ops.triton import kernels, ops  # noqa: E402, F401  (ops registers)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,7 +1,7 @@
 """Triton kernels of the exact kNN search (chapter 8).
 
-One program takes ``BLOCK_Q`` queries and walks the reference cloud ``BLOCK_R`` points at
-a time. Distances come from coordinate differences (never the expanded
+One program takes ``BLOCK_Q`` queries and walks the reference cloud ``BLOCK_R`` points
+at a time. Distances come from coordinate differences (never the expanded
 ``|a|^2 - 2 a.b + |b|^2``, which loses digits far from the origin, chapter 3), and the
 ``k`` best of each query stay on chip in a ``(BLOCK_Q, KP)`` tile: a new candidate
 replaces the worst kept one when it is closer. No ``(M, N)`` matrix is ever written.
