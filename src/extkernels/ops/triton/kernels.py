@@ -10,34 +10,35 @@ replaces the worst kept one when it is closer. No ``(M, N)`` matrix is ever writ
 import triton
 import triton.language as tl
 
-__all__ = ["knn_kernel", "next_power_of_2"]
+__all__ = [
+    "knn_kernel",
+    "knn_aggregate_kernel",
+    "scatter_kernel",
+    "next_power_of_2",
+]
 
 next_power_of_2 = triton.next_power_of_2
 
 
 @triton.jit
-def knn_kernel(
+def _nearest(
     q_ptr,
     r_ptr,
-    dist_ptr,
-    idx_ptr,
-    M,
+    q,
+    q_in,
     N,
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    q = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    q_in = q < M
+    """The K nearest reference points of the queries ``q``, unordered: squared
+    distances ``(BLOCK_Q, KP)`` (columns >= K hold +inf) and their indices."""
     qx = tl.load(q_ptr + q * 3 + 0, mask=q_in, other=0.0)
     qy = tl.load(q_ptr + q * 3 + 1, mask=q_in, other=0.0)
     qz = tl.load(q_ptr + q * 3 + 2, mask=q_in, other=0.0)
-
     cols = tl.arange(0, KP)[None, :]
-    # The kept candidates, squared distances; padding columns (>= K) hold -inf so that
-    # they are never the worst one and never replaced.
+    # Padding columns hold -inf while searching: never the worst one, never replaced.
     best_d = tl.where(
         cols < K,
         tl.full((BLOCK_Q, KP), float("inf"), tl.float32),
@@ -45,7 +46,6 @@ def knn_kernel(
     )
     best_i = tl.full((BLOCK_Q, KP), 0, tl.int32)
     lanes = tl.arange(0, BLOCK_R)[None, :]
-
     for start in range(0, N, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
         r_in = r < N
@@ -68,9 +68,28 @@ def knn_kernel(
             best_d = tl.where(replace, nearest[:, None], best_d)
             best_i = tl.where(replace, (start + lane)[:, None], best_i)
             d = tl.where(lanes == lane[:, None], float("inf"), d)
+    return tl.where(cols < K, best_d, float("inf")), best_i
 
+
+@triton.jit
+def knn_kernel(
+    q_ptr,
+    r_ptr,
+    dist_ptr,
+    idx_ptr,
+    M,
+    N,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Distances ``(M, K)`` ascending and indices ``(M, K)`` int64."""
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_in = q < M
+    best_d, best_i = _nearest(q_ptr, r_ptr, q, q_in, N, K, KP, BLOCK_Q, BLOCK_R)
+    cols = tl.arange(0, KP)[None, :]
     # Written in ascending order: the nearest kept one, K times.
-    best_d = tl.where(cols < K, best_d, float("inf"))
     for j in tl.static_range(K):
         nearest = tl.min(best_d, axis=1)
         slot = tl.argmin(best_d, axis=1)
@@ -79,3 +98,78 @@ def knn_kernel(
         tl.store(dist_ptr + q * K + j, tl.sqrt(nearest), mask=q_in)
         tl.store(idx_ptr + q * K + j, index.to(tl.int64), mask=q_in)
         best_d = tl.where(pick, float("inf"), best_d)
+
+
+@triton.jit
+def knn_aggregate_kernel(
+    q_ptr,
+    r_ptr,
+    f_ptr,
+    out_ptr,
+    w_ptr,
+    idx_ptr,
+    M,
+    N,
+    F,
+    inv_sigma,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """``out[q] = sum_j softmax_j(-d_qj / sigma) * feats[idx_qj]`` over the K nearest,
+    in one pass: the search, the weights and the gather never leave the chip. Also
+    writes the weights and indices ``(M, K)`` for the backward (in no particular
+    order)."""
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_in = q < M
+    best_d, best_i = _nearest(q_ptr, r_ptr, q, q_in, N, K, KP, BLOCK_Q, BLOCK_R)
+    cols = tl.arange(0, KP)[None, :]
+    dist = tl.sqrt(best_d)
+    # Softmax of -d / sigma, shifted by the nearest distance (exp never underflows).
+    logits = (tl.min(dist, axis=1)[:, None] - dist) * inv_sigma
+    e = tl.where(cols < K, tl.exp(logits), 0.0)
+    w = e / tl.sum(e, axis=1)[:, None]
+    kept = q_in[:, None] & (cols < K)
+    tl.store(w_ptr + q[:, None] * K + cols, w, mask=kept)
+    tl.store(idx_ptr + q[:, None] * K + cols, best_i.to(tl.int64), mask=kept)
+    fcols = tl.arange(0, BLOCK_F)[None, :]
+    for f0 in range(0, F, BLOCK_F):
+        f_in = q_in[:, None] & (f0 + fcols < F)
+        acc = tl.zeros((BLOCK_Q, BLOCK_F), tl.float32)
+        for j in tl.static_range(K):
+            pick = cols == j
+            wj = tl.sum(tl.where(pick, w, 0.0), axis=1)
+            ij = tl.sum(tl.where(pick, best_i, 0), axis=1)
+            row = tl.load(f_ptr + ij[:, None] * F + f0 + fcols, mask=f_in, other=0.0)
+            acc += wj[:, None] * row
+        tl.store(out_ptr + q[:, None] * F + f0 + fcols, acc, mask=f_in)
+
+
+@triton.jit
+def scatter_kernel(
+    g_ptr,
+    w_ptr,
+    idx_ptr,
+    grad_ptr,
+    M,
+    F,
+    K: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """The gather's adjoint: ``grad_feats[idx_qj] += w_qj * grad_out[q]``, with atomic
+    additions (several queries share a neighbour)."""
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_in = q < M
+    fcols = tl.arange(0, BLOCK_F)[None, :]
+    for f0 in range(0, F, BLOCK_F):
+        f_in = q_in[:, None] & (f0 + fcols < F)
+        g = tl.load(g_ptr + q[:, None] * F + f0 + fcols, mask=f_in, other=0.0)
+        for j in tl.static_range(K):
+            wj = tl.load(w_ptr + q * K + j, mask=q_in, other=0.0)
+            ij = tl.load(idx_ptr + q * K + j, mask=q_in, other=0)
+            tl.atomic_add(
+                grad_ptr + ij[:, None] * F + f0 + fcols, wj[:, None] * g, mask=f_in
+            )
