@@ -69,3 +69,58 @@ def test_operator_rejects_k_larger_than_the_cloud():
     q, r = _clouds("random", 4, 6)
     with pytest.raises(ValueError, match="k: expected 1 <= k <= 6"):
         torch.ops.triton_knn.knn(q, r, 7)
+
+
+@pytest.mark.parametrize(
+    "m, n, f, k", [(40, 300, 25, 7), (17, 50, 5, 3), (8, 9, 40, 7)]
+)
+def test_fused_kernels_match_the_gather_and_its_gradient(m, n, f, k):
+    from extkernels.ops.gather import softmax_gather
+
+    q, r = _clouds("random", m, n)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(n, f, generator=g).to(DEVICE)
+    out = torch.empty(m, f, device=DEVICE)
+    w = torch.empty(m, k, device=DEVICE)
+    idx = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
+    kp = kernels.next_power_of_2(k)
+    grid = (triton.cdiv(m, 16),)
+    kernels.knn_aggregate_kernel[grid](
+        q, r, feats, out, w, idx, m, n, f, 10.0, K=k, KP=kp, BLOCK_Q=16, BLOCK_R=32,
+        BLOCK_F=16,
+    )  # fmt: skip
+    d0, i0 = torch.cdist(q, r).topk(k, largest=False)
+    leaf = feats.clone().requires_grad_(True)
+    want = softmax_gather(d0, i0, leaf, 0.1)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn(m, f, generator=g).to(DEVICE)
+    want.backward(grad_out)
+    grad = torch.zeros(n, f, device=DEVICE)
+    kernels.scatter_kernel[grid](
+        grad_out, w, idx, grad, m, f, K=k, BLOCK_Q=16, BLOCK_F=16
+    )
+    torch.testing.assert_close(grad, leaf.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_operator_opcheck_gradcheck_and_compile():
+    q, r = _clouds("random", 30, 120)
+    feats = torch.randn(120, 6, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    args = (q, r, feats.requires_grad_(True), 5, 0.1)
+    torch.library.opcheck(torch.ops.triton_knn.knn_aggregate_fwd.default, args)
+    assert torch.autograd.gradcheck(
+        lambda x: ops.knn_aggregate(q, r, x.float(), 5, 0.1).double(),
+        (feats.detach().double().requires_grad_(True),),
+        eps=1e-3,
+        atol=1e-3,
+        rtol=1e-3,
+    )
+    compiled = torch.compile(
+        lambda x: ops.knn_aggregate(q, r, x, 5, 0.1).square().sum(), fullgraph=True
+    )
+    eager_leaf = feats.detach().clone().requires_grad_(True)
+    compiled_leaf = feats.detach().clone().requires_grad_(True)
+    ops.knn_aggregate(q, r, eager_leaf, 5, 0.1).square().sum().backward()
+    compiled(compiled_leaf).backward()
+    torch.testing.assert_close(
+        compiled_leaf.grad, eager_leaf.grad, atol=1e-5, rtol=1e-5
+    )

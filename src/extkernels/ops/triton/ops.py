@@ -14,11 +14,16 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from ..checks import check_knn
+from ..checks import check_knn, check_knn_aggregate
 from ..torch.brute_force import knn as brute_force_knn
-from .kernels import knn_kernel, next_power_of_2
+from .kernels import (
+    knn_aggregate_kernel,
+    knn_kernel,
+    next_power_of_2,
+    scatter_kernel,
+)
 
-__all__ = ["knn_op", "BLOCK_Q", "BLOCK_R"]
+__all__ = ["knn_op", "knn_aggregate_fwd_op", "knn_aggregate_bwd_op", "knn_aggregate"]
 
 #: Queries per program and reference points per step of its walk.
 BLOCK_Q, BLOCK_R = 64, 64
@@ -77,3 +82,109 @@ def _knn_fake(p_query, p_ref, k):
     k = check_knn(p_query, p_ref, k, values=False)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- fused kNN aggregation
+
+BLOCK_F = 32
+
+
+def _softmax_weights(distances: torch.Tensor, sigma: float) -> torch.Tensor:
+    shifted = distances[:, :1] - distances  # <= 0: exp never overflows
+    return torch.softmax(shifted / sigma, dim=1)
+
+
+@triton_op("triton_knn::knn_aggregate_fwd", mutates_args=())
+def knn_aggregate_fwd_op(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    k: int,
+    sigma: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused search, softmax and gather by one Triton kernel.
+
+    Returns:
+        ``out`` ``(M, F)`` float32; and for the backward the weights ``(M, k)`` float32
+        and indices ``(M, k)`` int64 of each query's neighbours (in no particular
+        order).
+    """
+    k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
+    m, n, f = p_query.shape[0], p_ref.shape[0], feats.shape[1]
+    if p_query.device.type != "cuda":  # traced for CPU tensors, as knn_op
+        distances, indices = brute_force_knn(p_query, p_ref, k)
+        weights = _softmax_weights(distances, sigma)
+        out = (weights[:, :, None] * feats[indices]).sum(dim=1)
+        return out, weights, indices
+    out = p_query.new_empty((m, f))
+    weights = p_query.new_empty((m, k))
+    indices = p_query.new_empty((m, k), dtype=torch.int64)
+    wrap_triton(knn_aggregate_kernel)[(triton.cdiv(m, BLOCK_Q),)](
+        p_query,
+        p_ref,
+        feats,
+        out,
+        weights,
+        indices,
+        m,
+        n,
+        f,
+        1.0 / sigma,
+        K=k,
+        KP=next_power_of_2(k),
+        BLOCK_Q=BLOCK_Q,
+        BLOCK_R=BLOCK_R,
+        BLOCK_F=BLOCK_F,
+    )
+    return out, weights, indices
+
+
+@triton_op("triton_knn::knn_aggregate_bwd", mutates_args=())
+def knn_aggregate_bwd_op(
+    grad_out: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, n_ref: int
+) -> torch.Tensor:
+    """The gather's adjoint: ``grad_feats[indices[q, j]] += weights[q, j] *
+    grad_out[q]``; a fresh ``(n_ref, F)`` tensor."""
+    m, f = grad_out.shape
+    grad = grad_out.new_zeros((n_ref, f))
+    if grad_out.device.type != "cuda":
+        k = weights.shape[1]
+        contributions = weights[:, :, None] * grad_out[:, None, :]
+        return grad.index_add_(0, indices.reshape(-1), contributions.reshape(m * k, f))
+    wrap_triton(scatter_kernel)[(triton.cdiv(m, BLOCK_Q),)](
+        grad_out,
+        weights,
+        indices,
+        grad,
+        m,
+        f,
+        K=weights.shape[1],
+        BLOCK_Q=BLOCK_Q,
+        BLOCK_F=BLOCK_F,
+    )
+    return grad
+
+
+def _setup_context(ctx, inputs, output):
+    _, p_ref, _, _, _ = inputs
+    _, weights, indices = output
+    ctx.save_for_backward(weights, indices)
+    ctx.n_ref = p_ref.shape[0]
+
+
+def _backward(ctx, grad_out, _grad_weights, _grad_indices):
+    weights, indices = ctx.saved_tensors
+    grad_feats = None
+    if ctx.needs_input_grad[2]:
+        grad_feats = torch.ops.triton_knn.knn_aggregate_bwd(
+            grad_out.contiguous(), weights, indices, ctx.n_ref
+        )
+    return None, None, grad_feats, None, None
+
+
+knn_aggregate_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def knn_aggregate(p_query, p_ref, feats, k, sigma):
+    """The fused kNN aggregation, differentiable in ``feats``: ``(M, F)``."""
+    return torch.ops.triton_knn.knn_aggregate_fwd(p_query, p_ref, feats, k, sigma)[0]
