@@ -44,9 +44,11 @@ def test_kernel_is_exact(kind, m, n, k):
     q, r = _clouds(kind, m, n)
     d = torch.empty(m, k, device=DEVICE)
     i = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
+    unused = q.new_empty(1)
     kernels.knn_kernel[(triton.cdiv(m, 16),)](
-        q, r, d, i, m, n, K=k, KP=kernels.next_power_of_2(k), BLOCK_Q=16, BLOCK_R=32
-    )
+        q, r, d, i, m, n, unused, unused, unused, unused,
+        K=k, KP=kernels.next_power_of_2(k), BLOCK_Q=16, BLOCK_R=32,
+    )  # fmt: skip
     want_d, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), k)
     want_d = torch.from_numpy(want_d).float().reshape(m, k)
     torch.testing.assert_close(d.cpu(), want_d, atol=1e-4, rtol=1e-5)
@@ -85,9 +87,10 @@ def test_fused_kernels_match_the_gather_and_its_gradient(m, n, f, k):
     idx = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
     kp = kernels.next_power_of_2(k)
     grid = (triton.cdiv(m, 16),)
+    unused = q.new_empty(1)
     kernels.knn_aggregate_kernel[grid](
-        q, r, feats, out, w, idx, m, n, f, 10.0, K=k, KP=kp, BLOCK_Q=16, BLOCK_R=32,
-        BLOCK_F=16,
+        q, r, feats, out, w, idx, m, n, f, 10.0, unused, unused, unused, unused,
+        K=k, KP=kp, BLOCK_Q=16, BLOCK_R=32, BLOCK_F=16,
     )  # fmt: skip
     d0, i0 = torch.cdist(q, r).topk(k, largest=False)
     leaf = feats.clone().requires_grad_(True)
@@ -124,3 +127,30 @@ def test_fused_operator_opcheck_gradcheck_and_compile():
     torch.testing.assert_close(
         compiled_leaf.grad, eager_leaf.grad, atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("kind", ["random", "offset", "clustered"])
+def test_pruned_kernel_is_exact_and_skips_tiles(kind):
+    from extkernels.ops.triton import spatial
+
+    m, n, k, bq, br = 64, 800, 7, 16, 16
+    q, r = _clouds(kind, m, n, seed=3)
+    p = spatial.plan(q, r, bq, br)
+    d = torch.empty(m, k, device=DEVICE)
+    i = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
+    visited = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    kernels.knn_kernel[(triton.cdiv(m, bq),)](
+        p.query, p.ref, d, i, m, n, p.lo, p.hi, p.start, visited,
+        K=k, KP=kernels.next_power_of_2(k), BLOCK_Q=bq, BLOCK_R=br, PRUNE=True,
+    )  # fmt: skip
+    dist, idx = torch.empty_like(d), torch.empty_like(i)
+    dist[p.query_order], idx[p.query_order] = d, p.ref_order[i]
+    want, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), k)
+    torch.testing.assert_close(
+        dist.cpu(), torch.from_numpy(want).float(), atol=1e-4, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        (q[:, None] - r[idx]).norm(dim=-1), dist, atol=1e-4, rtol=1e-5
+    )
+    if kind != "clustered":  # four tight clusters: every tile may hold a neighbour
+        assert int(visited) < triton.cdiv(m, bq) * triton.cdiv(n, br)

@@ -21,19 +21,70 @@ next_power_of_2 = triton.next_power_of_2
 
 
 @triton.jit
+def _merge_tile(
+    qx,
+    qy,
+    qz,
+    r_ptr,
+    start,
+    N,
+    best_d,
+    best_i,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The reference points ``start .. start + BLOCK_R`` merged into the kept lists."""
+    cols = tl.arange(0, KP)[None, :]
+    lanes = tl.arange(0, BLOCK_R)[None, :]
+    r = start + tl.arange(0, BLOCK_R)
+    r_in = r < N
+    rx = tl.load(r_ptr + r * 3 + 0, mask=r_in, other=0.0)
+    ry = tl.load(r_ptr + r * 3 + 1, mask=r_in, other=0.0)
+    rz = tl.load(r_ptr + r * 3 + 2, mask=r_in, other=0.0)
+    dx = qx[:, None] - rx[None, :]
+    dy = qy[:, None] - ry[None, :]
+    dz = qz[:, None] - rz[None, :]
+    d = dx * dx + dy * dy + dz * dz
+    d = tl.where(r_in[None, :], d, float("inf"))
+    # At most K of this tile's points can enter a query's list: take the tile's nearest
+    # K times, each time replacing the worst kept one if it is closer.
+    for _ in tl.static_range(K):
+        nearest = tl.min(d, axis=1)
+        lane = tl.argmin(d, axis=1)
+        worst = tl.max(best_d, axis=1)
+        slot = tl.argmax(best_d, axis=1)
+        replace = (cols == slot[:, None]) & (nearest < worst)[:, None]
+        best_d = tl.where(replace, nearest[:, None], best_d)
+        best_i = tl.where(replace, (start + lane)[:, None], best_i)
+        d = tl.where(lanes == lane[:, None], float("inf"), d)
+    return best_d, best_i
+
+
+@triton.jit
 def _nearest(
     q_ptr,
     r_ptr,
     q,
     q_in,
     N,
+    lo_ptr,
+    hi_ptr,
+    start_ptr,
+    count_ptr,
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PRUNE: tl.constexpr,
 ):
     """The K nearest reference points of the queries ``q``, unordered: squared
-    distances ``(BLOCK_Q, KP)`` (columns >= K hold +inf) and their indices."""
+    distances ``(BLOCK_Q, KP)`` (columns >= K hold +inf) and their indices.
+
+    With ``PRUNE``, the reference tiles are visited from this program's start tile
+    (``start_ptr``) on, wrapping around, and a tile whose bounding box (``lo_ptr``,
+    ``hi_ptr``: ``(T, 3)``) lies farther from the queries' box than every query's
+    current K-th neighbour is skipped; the tiles visited are added to ``count_ptr``."""
     qx = tl.load(q_ptr + q * 3 + 0, mask=q_in, other=0.0)
     qy = tl.load(q_ptr + q * 3 + 1, mask=q_in, other=0.0)
     qz = tl.load(q_ptr + q * 3 + 2, mask=q_in, other=0.0)
@@ -45,29 +96,53 @@ def _nearest(
         float("-inf"),
     )
     best_i = tl.full((BLOCK_Q, KP), 0, tl.int32)
-    lanes = tl.arange(0, BLOCK_R)[None, :]
-    for start in range(0, N, BLOCK_R):
-        r = start + tl.arange(0, BLOCK_R)
-        r_in = r < N
-        rx = tl.load(r_ptr + r * 3 + 0, mask=r_in, other=0.0)
-        ry = tl.load(r_ptr + r * 3 + 1, mask=r_in, other=0.0)
-        rz = tl.load(r_ptr + r * 3 + 2, mask=r_in, other=0.0)
-        dx = qx[:, None] - rx[None, :]
-        dy = qy[:, None] - ry[None, :]
-        dz = qz[:, None] - rz[None, :]
-        d = dx * dx + dy * dy + dz * dz
-        d = tl.where(r_in[None, :], d, float("inf"))
-        # At most K of this tile's points can enter a query's list: take the tile's
-        # nearest K times, each time replacing the worst kept one if it is closer.
-        for _ in tl.static_range(K):
-            nearest = tl.min(d, axis=1)
-            lane = tl.argmin(d, axis=1)
-            worst = tl.max(best_d, axis=1)
-            slot = tl.argmax(best_d, axis=1)
-            replace = (cols == slot[:, None]) & (nearest < worst)[:, None]
-            best_d = tl.where(replace, nearest[:, None], best_d)
-            best_i = tl.where(replace, (start + lane)[:, None], best_i)
-            d = tl.where(lanes == lane[:, None], float("inf"), d)
+    if PRUNE:
+        big = float("inf")
+        qlo_x = tl.min(tl.where(q_in, qx, big))
+        qlo_y = tl.min(tl.where(q_in, qy, big))
+        qlo_z = tl.min(tl.where(q_in, qz, big))
+        qhi_x = tl.max(tl.where(q_in, qx, -big))
+        qhi_y = tl.max(tl.where(q_in, qy, -big))
+        qhi_z = tl.max(tl.where(q_in, qz, -big))
+        n_tiles = tl.cdiv(N, BLOCK_R)
+        first = tl.load(start_ptr + tl.program_id(0))
+        visited = 0
+        for s in range(0, n_tiles):
+            t = (first + s) % n_tiles
+            gx = tl.maximum(
+                tl.maximum(
+                    tl.load(lo_ptr + t * 3 + 0) - qhi_x,
+                    qlo_x - tl.load(hi_ptr + t * 3 + 0),
+                ),
+                0.0,
+            )
+            gy = tl.maximum(
+                tl.maximum(
+                    tl.load(lo_ptr + t * 3 + 1) - qhi_y,
+                    qlo_y - tl.load(hi_ptr + t * 3 + 1),
+                ),
+                0.0,
+            )
+            gz = tl.maximum(
+                tl.maximum(
+                    tl.load(lo_ptr + t * 3 + 2) - qhi_z,
+                    qlo_z - tl.load(hi_ptr + t * 3 + 2),
+                ),
+                0.0,
+            )
+            # The farthest K-th neighbour among the tile's queries.
+            worst = tl.max(tl.where(q_in, tl.max(best_d, axis=1), -big))
+            if gx * gx + gy * gy + gz * gz < worst:
+                best_d, best_i = _merge_tile(
+                    qx, qy, qz, r_ptr, t * BLOCK_R, N, best_d, best_i, K, KP, BLOCK_R
+                )
+                visited += 1
+        tl.atomic_add(count_ptr, visited)
+    else:
+        for start in range(0, N, BLOCK_R):
+            best_d, best_i = _merge_tile(
+                qx, qy, qz, r_ptr, start, N, best_d, best_i, K, KP, BLOCK_R
+            )
     return tl.where(cols < K, best_d, float("inf")), best_i
 
 
@@ -79,15 +154,35 @@ def knn_kernel(
     idx_ptr,
     M,
     N,
+    lo_ptr,
+    hi_ptr,
+    start_ptr,
+    count_ptr,
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PRUNE: tl.constexpr = False,
 ):
     """Distances ``(M, K)`` ascending and indices ``(M, K)`` int64."""
     q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_in = q < M
-    best_d, best_i = _nearest(q_ptr, r_ptr, q, q_in, N, K, KP, BLOCK_Q, BLOCK_R)
+    best_d, best_i = _nearest(
+        q_ptr,
+        r_ptr,
+        q,
+        q_in,
+        N,
+        lo_ptr,
+        hi_ptr,
+        start_ptr,
+        count_ptr,
+        K,
+        KP,
+        BLOCK_Q,
+        BLOCK_R,
+        PRUNE,
+    )
     cols = tl.arange(0, KP)[None, :]
     # Written in ascending order: the nearest kept one, K times.
     for j in tl.static_range(K):
@@ -112,11 +207,16 @@ def knn_aggregate_kernel(
     N,
     F,
     inv_sigma,
+    lo_ptr,
+    hi_ptr,
+    start_ptr,
+    count_ptr,
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    PRUNE: tl.constexpr = False,
 ):
     """``out[q] = sum_j softmax_j(-d_qj / sigma) * feats[idx_qj]`` over the K nearest,
     in one pass: the search, the weights and the gather never leave the chip. Also
@@ -124,7 +224,22 @@ def knn_aggregate_kernel(
     order)."""
     q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_in = q < M
-    best_d, best_i = _nearest(q_ptr, r_ptr, q, q_in, N, K, KP, BLOCK_Q, BLOCK_R)
+    best_d, best_i = _nearest(
+        q_ptr,
+        r_ptr,
+        q,
+        q_in,
+        N,
+        lo_ptr,
+        hi_ptr,
+        start_ptr,
+        count_ptr,
+        K,
+        KP,
+        BLOCK_Q,
+        BLOCK_R,
+        PRUNE,
+    )
     cols = tl.arange(0, KP)[None, :]
     dist = tl.sqrt(best_d)
     # Softmax of -d / sigma, shifted by the nearest distance (exp never underflows).

@@ -33,6 +33,7 @@ def _launch(p_query, p_ref, k, block_q, block_r):
     m, n = p_query.shape[0], p_ref.shape[0]
     distances = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
+    unused = p_query.new_empty(1)  # the pruning arguments, read only with PRUNE
     wrap_triton(knn_kernel)[(triton.cdiv(m, block_q),)](
         p_query,
         p_ref,
@@ -40,6 +41,10 @@ def _launch(p_query, p_ref, k, block_q, block_r):
         indices,
         m,
         n,
+        unused,
+        unused,
+        unused,
+        unused,
         K=k,
         KP=next_power_of_2(k),
         BLOCK_Q=block_q,
@@ -119,6 +124,7 @@ def knn_aggregate_fwd_op(
     out = p_query.new_empty((m, f))
     weights = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
+    unused = p_query.new_empty(1)  # the pruning arguments, read only with PRUNE
     wrap_triton(knn_aggregate_kernel)[(triton.cdiv(m, BLOCK_Q),)](
         p_query,
         p_ref,
@@ -130,6 +136,10 @@ def knn_aggregate_fwd_op(
         n,
         f,
         1.0 / sigma,
+        unused,
+        unused,
+        unused,
+        unused,
         K=k,
         KP=next_power_of_2(k),
         BLOCK_Q=BLOCK_Q,
