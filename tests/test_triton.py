@@ -154,3 +154,16 @@ def test_pruned_kernel_is_exact_and_skips_tiles(kind):
     )
     if kind != "clustered":  # four tight clusters: every tile may hold a neighbour
         assert int(visited) < triton.cdiv(m, bq) * triton.cdiv(n, br)
+
+
+def test_flop_formula_is_visible_under_flop_counter_mode():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, r = _clouds("random", 30, 120)
+    feats = torch.randn(120, 6).to(DEVICE)
+    with FlopCounterMode(display=False) as counter:
+        ops.knn_aggregate(q, r, feats, 5, 0.1)
+    counts = counter.get_flop_counts()["Global"]
+    assert (
+        counts[torch.ops.triton_knn.knn_aggregate_fwd] == 8 * 30 * 120 + 2 * 30 * 5 * 6
+    )

@@ -13,6 +13,7 @@ implementation: the same kernel under Triton's interpreter when ``TRITON_INTERPR
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
+from torch.utils.flop_counter import register_flop_formula
 
 from ..checks import check_knn, check_knn_aggregate
 from ..torch.brute_force import knn as brute_force_knn
@@ -198,3 +199,23 @@ knn_aggregate_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def knn_aggregate(p_query, p_ref, feats, k, sigma):
     """The fused kNN aggregation, differentiable in ``feats``: ``(M, F)``."""
     return torch.ops.triton_knn.knn_aggregate_fwd(p_query, p_ref, feats, k, sigma)[0]
+
+
+# ---------------------------------------------------------------- FLOP formulas
+
+# Per (query, reference) pair the search does 3 subtractions, 3 multiplications and 2
+# additions; the gather, 2 per (query, neighbour, feature). Without pruning, which
+# skips some pairs: FlopCounterMode counts the work the brute force would do.
+_PAIR_FLOPS = 8
+
+
+@register_flop_formula(torch.ops.triton_knn.knn)
+def _knn_flops(q_shape, r_shape, k, *args, out_shape=None, **kwargs) -> int:
+    return _PAIR_FLOPS * q_shape[0] * r_shape[0]
+
+
+@register_flop_formula(torch.ops.triton_knn.knn_aggregate_fwd)
+def _knn_aggregate_flops(
+    q_shape, r_shape, f_shape, k, sigma, *args, out_shape=None, **kwargs
+) -> int:
+    return _PAIR_FLOPS * q_shape[0] * r_shape[0] + 2 * q_shape[0] * k * f_shape[1]
