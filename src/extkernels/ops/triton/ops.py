@@ -17,6 +17,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..checks import check_knn, check_knn_aggregate
 from ..torch.brute_force import knn as brute_force_knn
+from . import spatial
 from .kernels import (
     knn_aggregate_kernel,
     knn_kernel,
@@ -30,28 +31,53 @@ __all__ = ["knn_op", "knn_aggregate_fwd_op", "knn_aggregate_bwd_op", "knn_aggreg
 BLOCK_Q, BLOCK_R = 64, 64
 
 
-def _launch(p_query, p_ref, k, block_q, block_r):
+def _launch(p_query, p_ref, k, block_q, block_r, prune=True, visited=None):
+    """The search kernel on both clouds; with ``prune``, on both in Morton order, its
+    output put back in the queries' order and indices mapped back to ``p_ref``'s. The
+    tiles visited are added to ``visited`` (a one-element int32 tensor) if given."""
     m, n = p_query.shape[0], p_ref.shape[0]
     distances = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
-    unused = p_query.new_empty(1)  # the pruning arguments, read only with PRUNE
+    if visited is None:
+        visited = p_query.new_zeros(1, dtype=torch.int32)
+    if prune:
+        plan = spatial.plan(p_query, p_ref, block_q, block_r)
+        query, ref, boxes = plan.query, plan.ref, (plan.lo, plan.hi, plan.start)
+    else:
+        unused = p_query.new_empty(1)  # the pruning arguments, read only with PRUNE
+        query, ref, boxes = p_query, p_ref, (unused, unused, unused)
     wrap_triton(knn_kernel)[(triton.cdiv(m, block_q),)](
-        p_query,
-        p_ref,
+        query,
+        ref,
         distances,
         indices,
         m,
         n,
-        unused,
-        unused,
-        unused,
-        unused,
+        *boxes,
+        visited,
         K=k,
         KP=next_power_of_2(k),
         BLOCK_Q=block_q,
         BLOCK_R=block_r,
+        PRUNE=prune,
     )
-    return distances, indices
+    if not prune:
+        return distances, indices
+    in_order, mapped = torch.empty_like(distances), torch.empty_like(indices)
+    in_order[plan.query_order] = distances
+    mapped[plan.query_order] = plan.ref_order[indices]
+    return in_order, mapped
+
+
+def tiles_visited(p_query, p_ref, k, prune=True):
+    """How many (query tile, reference tile) pairs the search visits, out of how many:
+    ``(visited, total)`` as Python ints (this one synchronises, to report)."""
+    visited = p_query.new_zeros(1, dtype=torch.int32)
+    _launch(p_query, p_ref, k, BLOCK_Q, BLOCK_R, prune, visited)
+    total = triton.cdiv(p_query.shape[0], BLOCK_Q) * triton.cdiv(
+        p_ref.shape[0], BLOCK_R
+    )
+    return int(visited) if prune else total, total
 
 
 @triton_op("triton_knn::knn", mutates_args=())
