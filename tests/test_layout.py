@@ -16,7 +16,10 @@ MAX_LINES = 400
 #: them.
 EXPERIMENTS = ("extkernels.variants", "extkernels.benchmark", "extkernels.experiments")
 #: Imports inside functions, each for a reason: the module imports an optional library.
-LAZY = {("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp"}
+LAZY = {
+    ("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp",
+    ("extkernels.ops.triton", "extkernels.ops.triton.ops"): "Triton is optional",
+}
 
 
 def _modules() -> dict[str, Path]:

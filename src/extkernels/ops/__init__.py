@@ -12,7 +12,7 @@
   it.
 """
 
-from . import cuml, torch, warp  # noqa: F401  (importing a backend registers it)
+from . import cuml, torch, triton, warp  # noqa: F401  (importing a backend registers it)
 from .dispatch import knn, knn_aggregate, radius_aggregate
 from .registry import backends
 
