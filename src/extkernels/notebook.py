@@ -79,7 +79,17 @@ def show_source(obj) -> object:
     block."""
     from IPython.display import Code
 
-    # A torch.library custom operator keeps the decorated Python function as _init_fn, a
-    # Warp kernel or function as func.
-    fn = getattr(obj, "_init_fn", None) or getattr(obj, "func", None) or obj
-    return Code(inspect.getsource(fn), language="python")
+    return Code(inspect.getsource(decorated(obj)), language="python")
+
+
+def decorated(obj):
+    """The Python function behind a decorated one: a torch.library custom operator
+    keeps it as ``_init_fn``, a Warp kernel or function as ``func``, a Triton kernel as
+    ``fn`` (anything else is returned as it is)."""
+    if getattr(obj, "_init_fn", None) is not None:
+        return obj._init_fn
+    if getattr(obj, "func", None) is not None:
+        return obj.func
+    if type(obj).__name__ == "JITFunction" and callable(getattr(obj, "fn", None)):
+        return obj.fn
+    return obj

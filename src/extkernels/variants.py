@@ -148,6 +148,19 @@ VARIANTS: list[Variant] = [
         isolated=True,
         setup=functools.partial(use_rmm_pool, pytorch=False),
     ),
+    Variant("knn/triton", "knn", "triton", chapter=8),
+    Variant(
+        "knn/triton+compile", "knn", "triton", compile=True, fullgraph=True, chapter=8
+    ),
+    Variant(
+        "knn/triton+reduce-overhead",
+        "knn",
+        "triton",
+        compile=True,
+        fullgraph=True,
+        chapter=8,
+        mode="reduce-overhead",
+    ),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",
