@@ -1,6 +1,7 @@
 """Shared fixtures: one small seeded problem, fast on two CPU cores, and the built
 website."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,12 @@ import pytest
 import torch
 import yaml
 
-import extkernels
+if not torch.cuda.is_available():
+    # Triton's kernels run in its interpreter on CPU tensors. Read when a kernel is
+    # decorated, so before the package (which imports its Triton backend) is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import extkernels  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

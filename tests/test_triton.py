@@ -1,19 +1,13 @@
 """The Triton kNN kernel (chapter 8, in progress): exact against SciPy's k-d tree, run
 by Triton's interpreter on CPU tensors where there is no GPU."""
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Read when the kernels are decorated: must come before their module is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 cKDTree = pytest.importorskip("scipy.spatial").cKDTree
 
-from extkernels.ops.triton import kernels, ops  # noqa: E402, F401  (ops registers)
+from extkernels.ops.triton import kernels, ops  # noqa: E402 (interpreter: conftest)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
