@@ -23,32 +23,51 @@ def _clouds(kind: str, m: int, n: int, seed: int = 0):
     return q.to(DEVICE), r.to(DEVICE)
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["brute", "grid"])
 @pytest.mark.parametrize(
-    "kind, m, n, k",
+    "kind, m, n, k, cells",
     [
-        ("random", 50, 300, 7),
-        ("random", 37, 129, 3),
-        ("random", 5, 7, 7),
-        ("random", 64, 1000, 1),
-        ("offset", 40, 200, 7),
-        ("clustered", 40, 200, 7),
+        ("random", 50, 300, 7, None),
+        ("random", 37, 129, 3, 4),
+        ("random", 5, 7, 7, None),
+        ("random", 64, 1000, 1, None),
+        ("offset", 40, 200, 7, None),
+        ("clustered", 40, 200, 7, None),
+        ("random", 40, 200, 7, 64),  # nearly empty cells: the brute-force restart
     ],
 )
-def test_kernel_is_exact(kind, m, n, k):
+def test_search_is_exact(kind, m, n, k, cells, grid):
     q, r = _clouds(kind, m, n)
-    d = torch.empty(m, k, device=DEVICE)
-    i = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
-    unused = q.new_empty(1)
-    kernels.knn_kernel[(triton.cdiv(m, 16),)](
-        q, r, d, i, m, n, unused, unused, unused, unused,
-        K=k, KP=kernels.next_power_of_2(k), BLOCK_Q=16, BLOCK_R=32,
-    )  # fmt: skip
+    d, i = ops._launch(q, r, k, grid=grid, cells=cells)
     want_d, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), k)
     want_d = torch.from_numpy(want_d).float().reshape(m, k)
     torch.testing.assert_close(d.cpu(), want_d, atol=1e-4, rtol=1e-5)
     # Every index lies at its distance (ties may pick either point).
     at = (q[:, None, :] - r[i]).norm(dim=-1)
     torch.testing.assert_close(at, d, atol=1e-4, rtol=1e-5)
+
+
+def test_queries_outside_the_reference_box_are_exact():
+    q, r = _clouds("random", 30, 300)
+    q = q * 5.0  # most queries fall outside the cloud's box, in its border cells
+    d, _ = ops._launch(q, r, 5, grid=True)
+    want, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), 5)
+    torch.testing.assert_close(
+        d.cpu(), torch.from_numpy(want).float(), atol=1e-4, rtol=1e-5
+    )
+
+
+def test_grid_sorts_points_by_cell_and_starts_every_cell():
+    from extkernels.ops.triton import spatial
+
+    q, r = _clouds("random", 20, 500)
+    g = spatial.build(q, r, cells=6)
+    keys = spatial.cell_keys(g.ref, g.lo, g.hi, 6)
+    assert torch.equal(keys, keys.sort().values)  # sorted by cell
+    assert torch.equal(g.ref, r[g.ref_index])
+    counts = torch.bincount(keys.long(), minlength=6**3)
+    assert torch.equal(g.start.diff().long(), counts)
+    assert int(g.start[0]) == 0 and int(g.start[-1]) == 500
 
 
 def test_operator_opcheck_and_compile():
@@ -76,16 +95,7 @@ def test_fused_kernels_match_the_gather_and_its_gradient(m, n, f, k):
     q, r = _clouds("random", m, n)
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(n, f, generator=g).to(DEVICE)
-    out = torch.empty(m, f, device=DEVICE)
-    w = torch.empty(m, k, device=DEVICE)
-    idx = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
-    kp = kernels.next_power_of_2(k)
-    grid = (triton.cdiv(m, 16),)
-    unused = q.new_empty(1)
-    kernels.knn_aggregate_kernel[grid](
-        q, r, feats, out, w, idx, m, n, f, 10.0, unused, unused, unused, unused,
-        K=k, KP=kp, BLOCK_Q=16, BLOCK_R=32, BLOCK_F=16,
-    )  # fmt: skip
+    out, w, idx = ops._launch_aggregate(q, r, feats, k, 0.1, grid=False)
     d0, i0 = torch.cdist(q, r).topk(k, largest=False)
     leaf = feats.clone().requires_grad_(True)
     want = softmax_gather(d0, i0, leaf, 0.1)
@@ -93,7 +103,7 @@ def test_fused_kernels_match_the_gather_and_its_gradient(m, n, f, k):
     grad_out = torch.randn(m, f, generator=g).to(DEVICE)
     want.backward(grad_out)
     grad = torch.zeros(n, f, device=DEVICE)
-    kernels.scatter_kernel[grid](
+    kernels.scatter_kernel[(triton.cdiv(m, 16),)](
         grad_out, w, idx, grad, m, f, K=k, BLOCK_Q=16, BLOCK_F=16
     )
     torch.testing.assert_close(grad, leaf.grad, atol=1e-5, rtol=1e-5)
@@ -123,33 +133,6 @@ def test_fused_operator_opcheck_gradcheck_and_compile():
     )
 
 
-@pytest.mark.parametrize("kind", ["random", "offset", "clustered"])
-def test_pruned_kernel_is_exact_and_skips_tiles(kind):
-    from extkernels.ops.triton import spatial
-
-    m, n, k, bq, br = 64, 800, 7, 16, 16
-    q, r = _clouds(kind, m, n, seed=3)
-    p = spatial.plan(q, r, bq, br)
-    d = torch.empty(m, k, device=DEVICE)
-    i = torch.empty(m, k, dtype=torch.int64, device=DEVICE)
-    visited = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    kernels.knn_kernel[(triton.cdiv(m, bq),)](
-        p.query, p.ref, d, i, m, n, p.lo, p.hi, p.start, visited,
-        K=k, KP=kernels.next_power_of_2(k), BLOCK_Q=bq, BLOCK_R=br, PRUNE=True,
-    )  # fmt: skip
-    dist, idx = torch.empty_like(d), torch.empty_like(i)
-    dist[p.query_order], idx[p.query_order] = d, p.ref_order[i]
-    want, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), k)
-    torch.testing.assert_close(
-        dist.cpu(), torch.from_numpy(want).float(), atol=1e-4, rtol=1e-5
-    )
-    torch.testing.assert_close(
-        (q[:, None] - r[idx]).norm(dim=-1), dist, atol=1e-4, rtol=1e-5
-    )
-    if kind != "clustered":  # four tight clusters: every tile may hold a neighbour
-        assert int(visited) < triton.cdiv(m, bq) * triton.cdiv(n, br)
-
-
 def test_flop_formula_is_visible_under_flop_counter_mode():
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -161,3 +144,19 @@ def test_flop_formula_is_visible_under_flop_counter_mode():
     assert (
         counts[torch.ops.triton_knn.knn_aggregate_fwd] == 8 * 30 * 120 + 2 * 30 * 5 * 6
     )
+
+
+@pytest.mark.parametrize("kind", ["random", "offset", "clustered"])
+def test_grid_fused_launch_matches_the_gather(kind):
+    from extkernels.ops.gather import softmax_gather
+
+    m, n, f, k = 70, 700, 9, 7
+    q, r = _clouds(kind, m, n, seed=4)
+    feats = torch.randn(n, f, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out, weights, indices = ops._launch_aggregate(q, r, feats, k, 0.1, grid=True)
+    d0, i0 = torch.cdist(q.double(), r.double()).topk(k, largest=False)
+    want = softmax_gather(d0.float(), i0, feats, 0.1)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # The same neighbour sets, in the callers' order of queries and points.
+    assert torch.equal(indices.sort(dim=1).values, i0.sort(dim=1).values)
+    torch.testing.assert_close(weights.sum(dim=1), torch.ones(m, device=DEVICE))

@@ -27,57 +27,40 @@ from .kernels import (
 
 __all__ = ["knn_op", "knn_aggregate_fwd_op", "knn_aggregate_bwd_op", "knn_aggregate"]
 
-#: Queries per program and reference points per step of its walk.
-BLOCK_Q, BLOCK_R = 64, 64
+#: Queries per program, and reference points per step of the brute force.
+BLOCK_Q, BLOCK_R = 32, 64
 
 
-def _launch(p_query, p_ref, k, block_q, block_r, prune=True, visited=None):
-    """The search kernel on both clouds; with ``prune``, on both in Morton order, its
-    output put back in the queries' order and indices mapped back to ``p_ref``'s. The
-    tiles visited are added to ``visited`` (a one-element int32 tensor) if given."""
+def _search_args(p_query, p_ref, grid, cells):
+    """The kernels' cloud and grid arguments: ``(query, order, ref, ref_index)`` and
+    ``(start, lo, hi, cells)``."""
+    if not grid:
+        unused = p_query.new_empty(1)  # read only with GRID
+        return (p_query, unused, p_ref, unused), (unused, unused, unused, 1)
+    g = spatial.build(p_query, p_ref, cells)
+    return (p_query, g.order, g.ref, g.ref_index), (g.start, g.lo, g.hi, g.cells)
+
+
+def _launch(p_query, p_ref, k, grid=True, cells=None, block_q=BLOCK_Q):
+    """The search kernel: by the grid walk, or by brute force."""
     m, n = p_query.shape[0], p_ref.shape[0]
     distances = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
-    if visited is None:
-        visited = p_query.new_zeros(1, dtype=torch.int32)
-    if prune:
-        plan = spatial.plan(p_query, p_ref, block_q, block_r)
-        query, ref, boxes = plan.query, plan.ref, (plan.lo, plan.hi, plan.start)
-    else:
-        unused = p_query.new_empty(1)  # the pruning arguments, read only with PRUNE
-        query, ref, boxes = p_query, p_ref, (unused, unused, unused)
+    clouds, cells_args = _search_args(p_query, p_ref, grid, cells)
     wrap_triton(knn_kernel)[(triton.cdiv(m, block_q),)](
-        query,
-        ref,
+        *clouds,
         distances,
         indices,
         m,
         n,
-        *boxes,
-        visited,
+        *cells_args,
         K=k,
         KP=next_power_of_2(k),
         BLOCK_Q=block_q,
-        BLOCK_R=block_r,
-        PRUNE=prune,
+        BLOCK_R=BLOCK_R,
+        GRID=grid,
     )
-    if not prune:
-        return distances, indices
-    in_order, mapped = torch.empty_like(distances), torch.empty_like(indices)
-    in_order[plan.query_order] = distances
-    mapped[plan.query_order] = plan.ref_order[indices]
-    return in_order, mapped
-
-
-def tiles_visited(p_query, p_ref, k, prune=True):
-    """How many (query tile, reference tile) pairs the search visits, out of how many:
-    ``(visited, total)`` as Python ints (this one synchronises, to report)."""
-    visited = p_query.new_zeros(1, dtype=torch.int32)
-    _launch(p_query, p_ref, k, BLOCK_Q, BLOCK_R, prune, visited)
-    total = triton.cdiv(p_query.shape[0], BLOCK_Q) * triton.cdiv(
-        p_ref.shape[0], BLOCK_R
-    )
-    return int(visited) if prune else total, total
+    return distances, indices
 
 
 @triton_op("triton_knn::knn", mutates_args=())
@@ -100,7 +83,7 @@ def knn_op(
         # What the compiler traces for CPU tensors (eager CPU calls take the kernel
         # registered below): Triton compiles for GPUs only.
         return brute_force_knn(p_query, p_ref, k)
-    return _launch(p_query, p_ref, k, BLOCK_Q, BLOCK_R)
+    return _launch(p_query, p_ref, k)
 
 
 @knn_op.register_kernel("cpu")
@@ -142,19 +125,23 @@ def knn_aggregate_fwd_op(
         order).
     """
     k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
-    m, n, f = p_query.shape[0], p_ref.shape[0], feats.shape[1]
     if p_query.device.type != "cuda":  # traced for CPU tensors, as knn_op
         distances, indices = brute_force_knn(p_query, p_ref, k)
         weights = _softmax_weights(distances, sigma)
         out = (weights[:, :, None] * feats[indices]).sum(dim=1)
         return out, weights, indices
+    return _launch_aggregate(p_query, p_ref, feats, k, sigma)
+
+
+def _launch_aggregate(p_query, p_ref, feats, k, sigma, grid=True, cells=None):
+    """The fused kernel, by the grid walk or by brute force."""
+    m, n, f = p_query.shape[0], p_ref.shape[0], feats.shape[1]
     out = p_query.new_empty((m, f))
     weights = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
-    unused = p_query.new_empty(1)  # the pruning arguments, read only with PRUNE
+    clouds, cells_args = _search_args(p_query, p_ref, grid, cells)
     wrap_triton(knn_aggregate_kernel)[(triton.cdiv(m, BLOCK_Q),)](
-        p_query,
-        p_ref,
+        *clouds,
         feats,
         out,
         weights,
@@ -163,15 +150,13 @@ def knn_aggregate_fwd_op(
         n,
         f,
         1.0 / sigma,
-        unused,
-        unused,
-        unused,
-        unused,
+        *cells_args,
         K=k,
         KP=next_power_of_2(k),
         BLOCK_Q=BLOCK_Q,
         BLOCK_R=BLOCK_R,
         BLOCK_F=BLOCK_F,
+        GRID=grid,
     )
     return out, weights, indices
 

@@ -1,58 +1,59 @@
-"""Spatial order for the pruned search (chapter 8): Morton codes, tile boxes and each
-query tile's first reference tile, all computed on the device with no host
-synchronisation."""
+"""The uniform grid of the grid walk (chapter 8): the reference cloud sorted by cell,
+where each cell's points start, and the queries in cell order, all computed on the
+device with no host synchronisation."""
+
+from dataclasses import dataclass
 
 import torch
+import triton
+from torch.library import wrap_triton
 
-__all__ = ["morton_codes", "Plan", "plan"]
+from .kernels import cell_keys_kernel
 
-BITS = 10  # per axis: 30-bit codes, 1024 cells per axis
+__all__ = ["Grid", "cells_per_axis", "cell_keys", "build"]
 
-
-def morton_codes(
-    points: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> torch.Tensor:
-    """The Morton (Z-order) code of each point in the box ``lo .. hi``: points close in
-    space get close codes. Points outside the box are clamped to it."""
-    span = (hi - lo).clamp_min(torch.finfo(points.dtype).tiny)
-    cells = ((points - lo) / span * (2**BITS - 1)).round().clamp(0, 2**BITS - 1).long()
-    code = torch.zeros(points.shape[0], dtype=torch.int64, device=points.device)
-    for bit in range(BITS):
-        for axis in range(3):
-            code |= ((cells[:, axis] >> bit) & 1) << (3 * bit + axis)
-    return code
+BLOCK = 1024  # points per program of the key kernel
 
 
-class Plan:
-    """What the pruned kernels need: both clouds in Morton order and how to undo it,
-    the reference tiles' boxes, and each query tile's first reference tile."""
-
-    def __init__(self, query, ref, query_order, ref_order, lo, hi, start):
-        self.query, self.ref = query, ref
-        self.query_order, self.ref_order = query_order, ref_order
-        self.lo, self.hi, self.start = lo, hi, start
+def cells_per_axis(n_ref: int) -> int:
+    """Cells along each axis of the reference cloud's box: about ``2.8 * n_ref^(1/3)``
+    (at most 128), so that an evenly spread cloud has one point in about 20 cells and
+    the book's Gaussian cloud about two per cell at its centre."""
+    return max(1, min(128, round(2.8 * n_ref ** (1 / 3))))
 
 
-def plan(
-    p_query: torch.Tensor, p_ref: torch.Tensor, block_q: int, block_r: int
-) -> Plan:
-    lo, hi = p_ref.amin(dim=0), p_ref.amax(dim=0)
-    ref_codes, ref_order = morton_codes(p_ref, lo, hi).sort()
-    query_codes, query_order = morton_codes(p_query, lo, hi).sort()
-    ref = p_ref[ref_order].contiguous()
-    n, tiles = ref.shape[0], -(-p_ref.shape[0] // block_r)
-    # Pad the last tile with its own last point, so that its box holds real points.
-    padded = torch.cat([ref, ref[-1:].expand(tiles * block_r - n, 3)])
-    boxes = padded.view(tiles, block_r, 3)
-    # A query tile starts at the reference tile where its first query's code falls.
-    first = query_codes[::block_q].contiguous()
-    start = (torch.searchsorted(ref_codes, first) // block_r).clamp(max=tiles - 1)
-    return Plan(
-        p_query[query_order].contiguous(),
-        ref,
-        query_order,
-        ref_order,
-        boxes.amin(dim=1).contiguous(),
-        boxes.amax(dim=1).contiguous(),
-        start.to(torch.int32).contiguous(),
+def cell_keys(points, lo, hi, cells: int) -> torch.Tensor:
+    """Each point's cell key (int32), in the grid of ``cells`` per axis over ``lo ..
+    hi``."""
+    n = points.shape[0]
+    keys = points.new_empty(n, dtype=torch.int32)
+    wrap_triton(cell_keys_kernel)[(triton.cdiv(n, BLOCK),)](
+        points, lo, hi, keys, n, cells, BLOCK=BLOCK
     )
+    return keys
+
+
+@dataclass
+class Grid:
+    """What the grid walk reads: the reference points sorted by cell (``ref``) and
+    their indices in the caller's cloud (``ref_index``, int64), the first sorted point
+    of every cell (``start``, ``cells**3 + 1`` int32), the queries in cell order
+    (``order``, int64), and the box ``lo .. hi``."""
+
+    ref: torch.Tensor
+    ref_index: torch.Tensor
+    start: torch.Tensor
+    order: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    cells: int
+
+
+def build(p_query, p_ref, cells: int | None = None) -> Grid:
+    cells = cells or cells_per_axis(p_ref.shape[0])
+    lo, hi = torch.aminmax(p_ref, dim=0)
+    keys, ref_index = cell_keys(p_ref, lo, hi, cells).sort()
+    every = torch.arange(cells**3 + 1, dtype=torch.int32, device=p_ref.device)
+    start = torch.searchsorted(keys, every, out_int32=True)
+    order = cell_keys(p_query, lo, hi, cells).argsort()
+    return Grid(p_ref[ref_index], ref_index, start, order, lo, hi, cells)
