@@ -2,7 +2,7 @@
 the softmax-gather aggregation, written in Triton and registered with
 ``torch.library.triton_op`` so that ``torch.compile`` traces into the kernel launches.
 
-On CUDA tensors the kernels run (pruned by spatial order, see :mod:`~.spatial`); on CPU
+On CUDA tensors the kernels run (the grid walk, see :mod:`~.spatial`); on CPU
 tensors the operators run the brute force (``register_kernel("cpu")``), so the backend
 works everywhere; the tests run the kernels themselves on the CPU through Triton's
 interpreter (``TRITON_INTERPRET=1``).
