@@ -204,13 +204,15 @@ def _nearest(
     ``(BLOCK_Q, KP)`` (columns >= K hold +inf) and indices into ``r_ptr``."""
     slot = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_in = slot < M
-    if GRID:  # the queries in cell order: neighbours in a block share cells
+    # With GRID the queries come in cell order (neighbours in a block share cells), and
+    # order_ptr holds each one's row in the caller's order.
+    qx = tl.load(q_ptr + slot * 3 + 0, mask=q_in, other=0.0)
+    qy = tl.load(q_ptr + slot * 3 + 1, mask=q_in, other=0.0)
+    qz = tl.load(q_ptr + slot * 3 + 2, mask=q_in, other=0.0)
+    if GRID:
         q = tl.load(order_ptr + slot, mask=q_in, other=0)
     else:
         q = slot
-    qx = tl.load(q_ptr + q * 3 + 0, mask=q_in, other=0.0)
-    qy = tl.load(q_ptr + q * 3 + 1, mask=q_in, other=0.0)
-    qz = tl.load(q_ptr + q * 3 + 2, mask=q_in, other=0.0)
     cols = tl.arange(0, KP)[None, :]
     # Padding columns hold -inf while searching: never the worst one, never replaced.
     empty = tl.where(

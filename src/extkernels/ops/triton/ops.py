@@ -29,6 +29,8 @@ __all__ = ["knn_op", "knn_aggregate_fwd_op", "knn_aggregate_bwd_op", "knn_aggreg
 
 #: Queries per program, and reference points per step of the brute force.
 BLOCK_Q, BLOCK_R = 32, 64
+#: Warps per program of the search kernels.
+NUM_WARPS = 4
 
 
 def _search_args(p_query, p_ref, grid, cells):
@@ -38,7 +40,8 @@ def _search_args(p_query, p_ref, grid, cells):
         unused = p_query.new_empty(1)  # read only with GRID
         return (p_query, unused, p_ref, unused), (unused, unused, unused, 1)
     g = spatial.build(p_query, p_ref, cells)
-    return (p_query, g.order, g.ref, g.ref_index), (g.start, g.lo, g.hi, g.cells)
+    query = p_query[g.order]  # in cell order
+    return (query, g.order, g.ref, g.ref_index), (g.start, g.lo, g.hi, g.cells)
 
 
 def _launch(p_query, p_ref, k, grid=True, cells=None, block_q=BLOCK_Q):
@@ -59,6 +62,7 @@ def _launch(p_query, p_ref, k, grid=True, cells=None, block_q=BLOCK_Q):
         BLOCK_Q=block_q,
         BLOCK_R=BLOCK_R,
         GRID=grid,
+        num_warps=NUM_WARPS,
     )
     return distances, indices
 
@@ -157,6 +161,7 @@ def _launch_aggregate(p_query, p_ref, feats, k, sigma, grid=True, cells=None):
         BLOCK_R=BLOCK_R,
         BLOCK_F=BLOCK_F,
         GRID=grid,
+        num_warps=NUM_WARPS,
     )
     return out, weights, indices
 
