@@ -28,9 +28,9 @@ from .kernels import (
 __all__ = ["knn_op", "knn_aggregate_fwd_op", "knn_aggregate_bwd_op", "knn_aggregate"]
 
 #: Queries per program, and reference points per step of the brute force.
-BLOCK_Q, BLOCK_R = 32, 64
+BLOCK_Q, BLOCK_R = 16, 64
 #: Warps per program of the search kernels.
-NUM_WARPS = 4
+NUM_WARPS = 1
 
 
 def _search_args(p_query, p_ref, grid, cells):
