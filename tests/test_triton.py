@@ -1,4 +1,4 @@
-"""The Triton kNN kernel (chapter 8, in progress): exact against SciPy's k-d tree, run
+"""The Triton kNN kernels (chapter 8): exact against SciPy's k-d tree, run
 by Triton's interpreter on CPU tensors where there is no GPU."""
 
 import pytest
@@ -68,6 +68,64 @@ def test_grid_sorts_points_by_cell_and_starts_every_cell():
     counts = torch.bincount(keys.long(), minlength=6**3)
     assert torch.equal(g.start.diff().long(), counts)
     assert int(g.start[0]) == 0 and int(g.start[-1]) == 500
+
+
+def test_plain_launch_is_exact_eager_and_compiled():
+    q, r = _clouds("random", 45, 400, seed=3)
+    want, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), 6)
+    want = torch.from_numpy(want).float()
+    torch.testing.assert_close(ops.search(q, r, 6)[0].cpu(), want, atol=1e-4, rtol=0)
+    if DEVICE != "cuda":
+        return  # Dynamo recognises Triton kernels, not the interpreter running them
+    compiled = torch.compile(lambda a, b: ops.search(a, b, 6), fullgraph=True)
+    torch.testing.assert_close(compiled(q, r)[0].cpu(), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuner times configurations")
+def test_autotuned_launch_is_exact_eager_and_compiled():
+    q, r = _clouds("random", 300, 4000, seed=6)
+    want = torch.cdist(q.double(), r.double()).topk(7, largest=False).values.float()
+    got, _ = ops.search(q, r, 7, autotuned=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert kernels.knn_kernel_autotuned.best_config.kwargs["BLOCK_Q"] in (16, 32, 64)
+    compiled = torch.compile(
+        lambda a, b: ops.search(a, b, 7, autotuned=True), fullgraph=True
+    )
+    torch.testing.assert_close(compiled(q, r)[0], want, atol=1e-4, rtol=0)
+
+
+def test_walk_stats_count_every_block_once():
+    from extkernels.ops.triton import spatial
+
+    q, r = _clouds("random", 200, 3000)
+    kth = torch.cdist(q, r).topk(7, largest=False).values[:, -1]
+    stats = spatial.walk_stats(q, r, kth, cells=10)
+    parts = ["done in 27 cells", "done in 125 cells", "brute force"]
+    assert sum(stats[p] for p in parts) == stats["blocks"] == 13
+    assert stats["done in 27 cells"] > 0
+    assert 0 < stats["share of the cloud examined"] < 0.5
+    # Cells so small that no cube holds 7 points: every block falls to brute force.
+    tiny = spatial.walk_stats(q, r, kth, cells=128)
+    assert tiny["brute force"] == 13
+    assert tiny["share of the cloud examined"] > 1
+
+
+def test_cell_keys_in_pytorch_match_the_kernel():
+    import os
+
+    from extkernels.ops.triton import spatial
+
+    q, r = _clouds("random", 10, 2000, seed=8)
+    lo, hi = torch.aminmax(r, dim=0)
+    kernel = spatial.cell_keys(r, lo, hi, 9)
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        in_torch = spatial.cell_keys(r.cpu(), lo.cpu(), hi.cpu(), 9)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    assert (kernel.cpu() != in_torch).sum() <= 2  # a point on a cell's face may differ
 
 
 def test_operator_opcheck_and_compile():
@@ -160,3 +218,10 @@ def test_grid_fused_launch_matches_the_gather(kind):
     # The same neighbour sets, in the callers' order of queries and points.
     assert torch.equal(indices.sort(dim=1).values, i0.sort(dim=1).values)
     torch.testing.assert_close(weights.sum(dim=1), torch.ones(m, device=DEVICE))
+
+
+def test_listings_show_the_function_inside_a_triton_op():
+    from extkernels.notebook import decorated
+
+    assert decorated(ops.knn_op).__name__ == "knn_op"
+    assert decorated(kernels.knn_kernel).__name__ == "knn_kernel"

@@ -84,10 +84,17 @@ def show_source(obj) -> object:
 
 def decorated(obj):
     """The Python function behind a decorated one: a torch.library custom operator
-    keeps it as ``_init_fn``, a Warp kernel or function as ``func``, a Triton kernel as
-    ``fn`` (anything else is returned as it is)."""
+    keeps it as ``_init_fn`` (a ``triton_op``, inside the wrapper it keeps there), a
+    Warp kernel or function as ``func``, a Triton kernel as ``fn`` (anything else is
+    returned as it is)."""
     if getattr(obj, "_init_fn", None) is not None:
-        return obj._init_fn
+        fn = obj._init_fn
+        inner = [
+            cell.cell_contents
+            for cell in fn.__closure__ or ()
+            if inspect.isfunction(cell.cell_contents)
+        ]
+        return inner[0] if fn.__name__ == "backend_fn" and len(inner) == 1 else fn
     if getattr(obj, "func", None) is not None:
         return obj.func
     if type(obj).__name__ == "JITFunction" and callable(getattr(obj, "fn", None)):

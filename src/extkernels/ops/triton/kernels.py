@@ -20,6 +20,7 @@ import triton.language as tl
 __all__ = [
     "cell_keys_kernel",
     "knn_kernel",
+    "knn_kernel_autotuned",
     "knn_aggregate_kernel",
     "scatter_kernel",
     "next_power_of_2",
@@ -260,6 +261,18 @@ def knn_kernel(
         tl.store(dist_ptr + q * K + j, tl.sqrt(nearest), mask=q_in)
         tl.store(idx_ptr + q * K + j, index.to(tl.int64), mask=q_in)
         best_d = tl.where(pick, float("inf"), best_d)
+
+
+#: The search with its queries per program and warps chosen by Triton's autotuner,
+#: once per distinct (M, N, K): launched without ``BLOCK_Q`` and ``num_warps``, and
+#: with a grid that reads ``BLOCK_Q`` from the chosen configuration.
+knn_kernel_autotuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_Q": block_q}, num_warps=warps)
+        for block_q, warps in [(16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4)]
+    ],
+    key=["M", "N", "K"],
+)(knn_kernel)
 
 
 @triton.jit

@@ -4,8 +4,8 @@
 through ``torch.library.wrap_triton``: in eager mode it runs as written; under
 ``torch.compile`` inductor traces into it and sees the kernel launch itself, so no fake
 implementation is written by hand. ``register_kernel("cpu")`` gives the operator a CPU
-implementation: the same kernel under Triton's interpreter when ``TRITON_INTERPRET=1``
-(how the tests run it without a GPU), otherwise the brute force.
+implementation, the brute force; the tests run the kernels themselves on CPU tensors
+through Triton's interpreter (``TRITON_INTERPRET=1``) by calling the launchers below.
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as
@@ -21,11 +21,18 @@ from . import spatial
 from .kernels import (
     knn_aggregate_kernel,
     knn_kernel,
+    knn_kernel_autotuned,
     next_power_of_2,
     scatter_kernel,
 )
 
-__all__ = ["knn_op", "knn_aggregate_fwd_op", "knn_aggregate_bwd_op", "knn_aggregate"]
+__all__ = [
+    "search",
+    "knn_op",
+    "knn_aggregate_fwd_op",
+    "knn_aggregate_bwd_op",
+    "knn_aggregate",
+]
 
 #: Queries per program, and reference points per step of the brute force.
 BLOCK_Q, BLOCK_R = 16, 64
@@ -64,6 +71,25 @@ def _launch(p_query, p_ref, k, grid=True, cells=None, block_q=BLOCK_Q):
         GRID=grid,
         num_warps=NUM_WARPS,
     )
+    return distances, indices
+
+
+def search(p_query, p_ref, k, autotuned=False):
+    """The grid-walk search launched as a plain Triton kernel: no operator, no
+    ``wrap_triton``, as any PyTorch code may call one, compiled or not. With
+    ``autotuned``, Triton's autotuner picks the queries per program and the warps."""
+    m, n = p_query.shape[0], p_ref.shape[0]
+    distances = p_query.new_empty((m, k))
+    indices = p_query.new_empty((m, k), dtype=torch.int64)
+    clouds, cells_args = _search_args(p_query, p_ref, True, None)
+    args = (*clouds, distances, indices, m, n, *cells_args)
+    meta = dict(K=k, KP=next_power_of_2(k), BLOCK_R=BLOCK_R, GRID=True)
+    if autotuned:
+        grid = lambda config: (triton.cdiv(m, config["BLOCK_Q"]),)  # noqa: E731
+        knn_kernel_autotuned[grid](*args, **meta)
+    else:
+        grid = (triton.cdiv(m, BLOCK_Q),)
+        knn_kernel[grid](*args, **meta, BLOCK_Q=BLOCK_Q, num_warps=NUM_WARPS)
     return distances, indices
 
 
