@@ -225,3 +225,5 @@ def test_listings_show_the_function_inside_a_triton_op():
 
     assert decorated(ops.knn_op).__name__ == "knn_op"
     assert decorated(kernels.knn_kernel).__name__ == "knn_kernel"
+    assert callable(decorated(kernels.knn_kernel))  # the function, not the kernel
+    assert not hasattr(decorated(kernels.knn_kernel), "fn")

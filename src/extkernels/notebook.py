@@ -85,8 +85,8 @@ def show_source(obj) -> object:
 def decorated(obj):
     """The Python function behind a decorated one: a torch.library custom operator
     keeps it as ``_init_fn`` (a ``triton_op``, inside the wrapper it keeps there), a
-    Warp kernel or function as ``func``, a Triton kernel as ``fn`` (anything else is
-    returned as it is)."""
+    Warp kernel or function as ``func``, a Triton kernel (or Triton's interpreter
+    running one) as ``fn`` (anything else is returned as it is)."""
     if getattr(obj, "_init_fn", None) is not None:
         fn = obj._init_fn
         inner = [
@@ -97,6 +97,7 @@ def decorated(obj):
         return inner[0] if fn.__name__ == "backend_fn" and len(inner) == 1 else fn
     if getattr(obj, "func", None) is not None:
         return obj.func
-    if type(obj).__name__ == "JITFunction" and callable(getattr(obj, "fn", None)):
+    triton_kernel = type(obj).__name__ in ("JITFunction", "InterpretedFunction")
+    if triton_kernel and callable(getattr(obj, "fn", None)):
         return obj.fn
     return obj
