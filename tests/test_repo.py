@@ -70,6 +70,26 @@ def test_notebook_is_valid_and_canonical(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_glued_values_are_plain_python(path):
+    # myst-nb formats a glued number from its text/plain form: a NumPy scalar's form
+    # (np.float64(...)) cannot be formatted, and the website build fails.
+    nb = nbformat.read(path, as_version=4)
+    bad = [
+        o["metadata"]["scrapbook"]["name"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "scrapbook" in o.get("metadata", {})
+        and any(
+            str(v).startswith("np.")
+            for k, v in o.get("data", {}).items()
+            if "text/plain" in k
+        )
+    ]
+    assert not bad, f"{path.name}: glue a float() or int(), not a NumPy scalar: {bad}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executed_in_order(path):
     nb = nbformat.read(path, as_version=4)
     counts = [
