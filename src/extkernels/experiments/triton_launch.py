@@ -28,9 +28,8 @@ def launch_costs(p_query, p_ref, k: int, n_iters: int = 500) -> dict[str, float]
     m, n = p_query.shape[0], p_ref.shape[0]
     distances = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
-    unused = p_query.new_empty(1)
-    args = (p_query, unused, p_ref, unused, distances, indices, m, n)
-    args += (unused, unused, unused, 1)
+    clouds, cells_args = ops._search_args(p_query, p_ref, grid=False, cells=None)
+    args = (*clouds, distances, indices, m, n, *cells_args)
     meta = dict(
         K=k,
         KP=triton.next_power_of_2(k),

@@ -51,13 +51,13 @@ def _search_args(p_query, p_ref, grid, cells):
     return (query, g.order, g.ref, g.ref_index), (g.start, g.lo, g.hi, g.cells)
 
 
-def _launch(p_query, p_ref, k, grid=True, cells=None, block_q=BLOCK_Q):
+def _launch(p_query, p_ref, k, grid=True, cells=None):
     """The search kernel: by the grid walk, or by brute force."""
     m, n = p_query.shape[0], p_ref.shape[0]
     distances = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
     clouds, cells_args = _search_args(p_query, p_ref, grid, cells)
-    wrap_triton(knn_kernel)[(triton.cdiv(m, block_q),)](
+    wrap_triton(knn_kernel)[(triton.cdiv(m, BLOCK_Q),)](
         *clouds,
         distances,
         indices,
@@ -66,7 +66,7 @@ def _launch(p_query, p_ref, k, grid=True, cells=None, block_q=BLOCK_Q):
         *cells_args,
         K=k,
         KP=next_power_of_2(k),
-        BLOCK_Q=block_q,
+        BLOCK_Q=BLOCK_Q,
         BLOCK_R=BLOCK_R,
         GRID=grid,
         num_warps=NUM_WARPS,
