@@ -1,0 +1,193 @@
+// The uniform grid and the ring search of the C++ backend (chapter 9), shared by the
+// CPU kernels (knn.cpp) and the CUDA kernels (knn_cuda.cu): one algorithm, two devices.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EK_HD __host__ __device__ __forceinline__
+#else
+#define EK_HD inline
+#endif
+
+namespace extkernels {
+
+// Mean reference points per cell the grid aims for.
+constexpr float kPointsPerCell = 2.0f;
+// The most neighbours a query may ask for (the kept list lives in registers).
+constexpr int kMaxK = 32;
+
+// Cells the workspace holds for a cloud of n points: a function of the shape only.
+EK_HD int64_t cell_capacity(int64_t n) { return n < 1 ? 1 : 2 * n; }
+
+struct GridParams {
+  float lo[3];
+  float h;       // cubic cell side
+  float inv_h;
+  int dims[3];   // cells per axis; dims[0] * dims[1] * dims[2] <= cell_capacity(n)
+};
+
+// The grid over the box lo .. hi of n points: cubes of side h with about
+// kPointsPerCell points each if the points filled the box, over the axes the box
+// spans (a flat cloud gets one layer of cells); never more than cell_capacity(n).
+EK_HD GridParams make_grid(const float lo[3], const float hi[3], int64_t n) {
+  GridParams g;
+  float volume = 1.0f, widest = 0.0f;
+  int spanned = 0;
+  for (int a = 0; a < 3; ++a) {
+    g.lo[a] = lo[a];
+    float e = hi[a] - lo[a];
+    widest = e > widest ? e : widest;
+    if (e > 0.0f) {
+      volume *= e;
+      ++spanned;
+    }
+  }
+  float h = 1.0f;
+  if (spanned > 0) {
+    float cells = (float)n / kPointsPerCell;
+    cells = cells < 1.0f ? 1.0f : cells;
+    h = powf(volume / cells, 1.0f / (float)spanned);
+    h = h > widest * 1e-6f ? h : widest * 1e-6f;  // float cells stay countable
+  }
+  const double capacity = (double)cell_capacity(n);
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    double total = 1.0;
+    for (int a = 0; a < 3; ++a) {
+      float e = hi[a] - lo[a];
+      int d = (int)floorf(e / h) + 1;
+      g.dims[a] = d < 1 ? 1 : d;
+      total *= (double)g.dims[a];
+    }
+    if (total <= capacity) break;
+    h *= 1.25f;  // too many cells for the workspace: coarser
+  }
+  g.h = h;
+  g.inv_h = 1.0f / h;
+  return g;
+}
+
+// Cell of a coordinate along one axis, unclamped (a query may lie outside the box).
+EK_HD int64_t cell_of(float x, const GridParams& g, int a) {
+  return (int64_t)floorf((x - g.lo[a]) * g.inv_h);
+}
+
+EK_HD int64_t clamp_cell(int64_t c, const GridParams& g, int a) {
+  return c < 0 ? 0 : (c >= g.dims[a] ? g.dims[a] - 1 : c);
+}
+
+// Key of a point inside the grid (its cell clamped to the grid).
+EK_HD int64_t key_of(const float* p, const GridParams& g) {
+  int64_t key = 0;
+  for (int a = 0; a < 3; ++a) key = key * g.dims[a] + clamp_cell(cell_of(p[a], g, a), g, a);
+  return key;
+}
+
+// The k best (squared distance, index) pairs, kept sorted ascending.
+struct TopK {
+  float d[kMaxK];
+  int64_t i[kMaxK];
+  int k, count;
+
+  EK_HD void init(int k_) {
+    k = k_;
+    count = 0;
+  }
+  EK_HD float worst() const { return count < k ? INFINITY : d[k - 1]; }
+  EK_HD void push(float dist, int64_t index) {
+    if (dist >= worst()) return;
+    int j = count < k ? count++ : k - 1;
+    while (j > 0 && d[j - 1] > dist) {
+      d[j] = d[j - 1];
+      i[j] = i[j - 1];
+      --j;
+    }
+    d[j] = dist;
+    i[j] = index;
+  }
+};
+
+// Rings of cells around the query's (unclamped) cell c: ring r holds the cells at
+// Chebyshev distance r. Every point in a ring beyond r lies at least
+// r * h + inside away, where inside is the query's distance to its own cell's faces.
+struct Rings {
+  int64_t c[3];
+  int64_t first, last;  // the rings that meet the grid
+  float inside;
+};
+
+EK_HD Rings rings_of(const float* q, const GridParams& g) {
+  Rings R;
+  R.first = 0;
+  R.last = 0;
+  R.inside = INFINITY;
+  for (int a = 0; a < 3; ++a) {
+    float f = (q[a] - g.lo[a]) * g.inv_h;
+    R.c[a] = (int64_t)floorf(f);
+    float frac = f - (float)R.c[a];
+    float in = (frac < 1.0f - frac ? frac : 1.0f - frac) * g.h;
+    R.inside = in < R.inside ? in : R.inside;
+    int64_t below = -R.c[a], above = R.c[a] - (g.dims[a] - 1);
+    int64_t gap = below > above ? below : above;
+    R.first = gap > R.first ? gap : R.first;
+    int64_t far_lo = R.c[a], far_hi = (g.dims[a] - 1) - R.c[a];
+    far_lo = far_lo < 0 ? -far_lo : far_lo;
+    far_hi = far_hi < 0 ? -far_hi : far_hi;
+    int64_t far = far_lo > far_hi ? far_lo : far_hi;
+    R.last = far > R.last ? far : R.last;
+  }
+  R.inside = R.inside > 0.0f ? R.inside : 0.0f;
+  return R;
+}
+
+// Calls visit(begin, end) for the run of sorted points of every cell of ring r that
+// lies in the grid: cells that differ in z only are consecutive, so each (x, y)
+// column of the ring is one or two runs.
+template <typename Visit>
+EK_HD void for_ring(const Rings& R, int64_t r, const GridParams& g, const int32_t* start,
+                    Visit&& visit) {
+  const int64_t x0 = R.c[0] - r < 0 ? 0 : R.c[0] - r;
+  const int64_t x1 = R.c[0] + r >= g.dims[0] ? g.dims[0] - 1 : R.c[0] + r;
+  const int64_t y0 = R.c[1] - r < 0 ? 0 : R.c[1] - r;
+  const int64_t y1 = R.c[1] + r >= g.dims[1] ? g.dims[1] - 1 : R.c[1] + r;
+  for (int64_t x = x0; x <= x1; ++x) {
+    for (int64_t y = y0; y <= y1; ++y) {
+      const bool edge = (x == R.c[0] - r || x == R.c[0] + r || y == R.c[1] - r ||
+                         y == R.c[1] + r);
+      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+      if (edge) {  // the whole column of the ring, clipped to the grid
+        int64_t z0 = R.c[2] - r < 0 ? 0 : R.c[2] - r;
+        int64_t z1 = R.c[2] + r >= g.dims[2] ? g.dims[2] - 1 : R.c[2] + r;
+        if (z0 <= z1) visit(start[column + z0], start[column + z1 + 1]);
+      } else {  // inside the ring's footprint: its bottom and top cells only
+        int64_t zs[2] = {R.c[2] - r, R.c[2] + r};
+        for (int s = 0; s < (r == 0 ? 1 : 2); ++s) {
+          int64_t z = zs[s];
+          if (z >= 0 && z < g.dims[2]) visit(start[column + z], start[column + z + 1]);
+        }
+      }
+    }
+  }
+}
+
+// The k nearest of query q among the sorted reference points (ref: (n, 3) in cell
+// order, index: their indices in the caller's cloud), by growing rings.
+EK_HD void ring_search(const float* q, const float* ref, const int64_t* index,
+                       const int32_t* start, const GridParams& g, TopK& best) {
+  const Rings R = rings_of(q, g);
+  for (int64_t r = R.first; r <= R.last; ++r) {
+    for_ring(R, r, g, start, [&](int32_t begin, int32_t end) {
+      for (int32_t j = begin; j < end; ++j) {
+        const float dx = q[0] - ref[3 * j], dy = q[1] - ref[3 * j + 1],
+                    dz = q[2] - ref[3 * j + 2];
+        best.push(dx * dx + dy * dy + dz * dz, index[j]);
+      }
+    });
+    // Slightly under the true bound, so that rounding at a cell's face never stops early.
+    const float bound = ((float)r * g.h + R.inside) * (1.0f - 1e-5f);
+    if (best.count == best.k && best.d[best.k - 1] <= bound * bound) break;
+  }
+}
+
+}  // namespace extkernels
