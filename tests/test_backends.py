@@ -276,7 +276,8 @@ BAD_CLOUDS = {
     "inf": (lambda t: _with_value(t, math.inf), ValueError, False),
 }
 BAD_FEATS = {
-    "float64": (lambda f: f.double(), TypeError),
+    # (not float64: an operator may take more than float32 features, never integers)
+    "int32": (lambda f: f.int(), TypeError),
     "wrong row count": (lambda f: f[:-1].contiguous(), ValueError),
     "1-D": (lambda f: f[:, 0].contiguous(), ValueError),
     "no columns": (lambda f: f[:, :0].contiguous(), ValueError),

@@ -1,7 +1,10 @@
-"""The C++ backend (chapter 9): the CPU kernel, built just in time, exact against
-SciPy's k-d tree on random and awkward clouds; the CUDA source compiled by ``nvcc``
-where it is installed, so that a syntax error in it never waits for a GPU."""
+"""The C++ backend (chapter 9) beyond the conformance suite: the kernels built just in
+time, exact against SciPy's k-d tree on random and awkward clouds at sizes that need
+many rings, every feature dtype, the float4 gather, the value-check switch, capture in a
+CUDA graph; and the CUDA source compiled by ``nvcc`` where it is installed, so that a
+syntax error in it never waits for a GPU."""
 
+import math
 import shutil
 import subprocess
 import sysconfig
@@ -11,12 +14,31 @@ import torch
 
 cKDTree = pytest.importorskip("scipy.spatial").cKDTree
 
+from extkernels.ops import checks, cpp  # noqa: E402
 from extkernels.ops.cpp import build  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler on this machine",
+    not cpp.available(), reason="no C++ compiler or ninja on this machine"
 )
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    cpp.prepare()
+    from extkernels.ops.cpp import ops
+
+    return torch.ops.extkernels_cpp, ops
 
 
 def _clouds(kind: str, m: int = 300, n: int = 2000, seed: int = 0):
@@ -37,27 +59,142 @@ def _clouds(kind: str, m: int = 300, n: int = 2000, seed: int = 0):
     return q.contiguous(), r.contiguous()
 
 
-@pytest.mark.parametrize(
-    "kind", ["random", "far", "flat", "duplicates", "clusters", "offset"]
-)
-@pytest.mark.parametrize("k", [1, 7])
-def test_cpu_kernel_is_exact(kind, k):
-    build.load()
+KINDS = ["random", "far", "flat", "duplicates", "clusters", "offset"]
+
+
+def _reference(q, r, k):
+    d, i = cKDTree(r.double().numpy()).query(q.double().numpy(), k)
+    return (
+        torch.from_numpy(d).float().reshape(len(q), k),
+        torch.from_numpy(i).reshape(len(q), k),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 7, 40])
+def test_knn_is_exact(ops, device, kind, k):
     q, r = _clouds(kind)
-    d, i = torch.ops.extkernels_cpp.knn(q, r, k)
-    want, _ = cKDTree(r.double().numpy()).query(q.double().numpy(), k)
-    want = torch.from_numpy(want).float().reshape(q.shape[0], k)
+    d, i = ops[0].knn(q.to(device), r.to(device), k)
+    d, i = d.cpu(), i.cpu()
+    want, _ = _reference(q, r, k)
     torch.testing.assert_close(d, want, atol=1e-4, rtol=1e-5)
-    # Every index lies at its distance (ties may pick either point).
+    # Every index lies at its distance (ties may pick either point), none twice.
     at = (q[:, None, :] - r[i]).norm(dim=-1)
     torch.testing.assert_close(at, d, atol=1e-4, rtol=1e-5)
+    assert all(len(set(row)) == k for row in i.tolist())
 
 
-def test_cpu_kernel_rejects_k_larger_than_the_cloud():
-    build.load()
-    q, r = _clouds("random", 5, 6)
-    with pytest.raises(RuntimeError, match="k: expected 1 <= k <= 6"):
-        torch.ops.extkernels_cpp.knn(q, r, 7)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(torch.float32, 1e-5), (torch.float64, 1e-5), (torch.float16, 2e-3)],
+)
+def test_aggregation_and_gradient_in_every_feature_dtype(ops, device, dtype, tol):
+    q, r = _clouds("random", 200, 1500)
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(1500, 12, generator=g)
+    grad_out = torch.randn(200, 12, generator=g)
+    d, i = _reference(q, r, 7)
+    w = torch.softmax(-d.double() / 0.1, dim=1)
+    want = (w[:, :, None] * feats.double()[i]).sum(1)
+    want_grad = torch.zeros(1500, 12, dtype=torch.float64).index_add_(
+        0, i.reshape(-1), (w[:, :, None] * grad_out.double()[:, None]).reshape(-1, 12)
+    )
+    leaf = feats.to(device, dtype).requires_grad_(True)
+    out = ops[1].knn_aggregate(q.to(device), r.to(device), leaf, 7, 0.1)
+    out.backward(grad_out.to(device, dtype))
+    assert out.dtype == leaf.grad.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(leaf.grad.cpu().double(), want_grad, atol=tol, rtol=tol)
+
+
+def test_gradcheck_in_float64_on_the_cpu_kernel(ops):
+    q, r = _clouds("clusters", 40, 300)
+    feats = torch.randn(300, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x: ops[0].knn_aggregate_fwd(q, r, x, 5, 0.1)[0], (feats,)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_of_every_operator(ops, device):
+    q, r = (t.to(device) for t in _clouds("random", 60, 400))
+    feats = torch.randn(400, 8, device=device)
+    w, i = ops[0].knn_aggregate_fwd(q, r, feats, 5, 0.1)[1:]
+    opcheck = torch.library.opcheck
+    opcheck(ops[0].knn.default, (q, r, 5))
+    opcheck(ops[0].knn_aggregate_fwd.default, (q, r, feats.half(), 5, 0.1))
+    opcheck(ops[0].knn_aggregate_fwd.default, (q, r, feats.requires_grad_(), 5, 0.1))
+    grad_out = torch.randn(60, 8, device=device)
+    opcheck(ops[0].knn_aggregate_bwd.default, (grad_out, w, i, 400))
+    opcheck(ops[0].gather.default, (w, i, feats.detach(), True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("f", [4, 32])
+def test_float4_gather_matches_the_scalar_one(ops, device, f):
+    q, r = (t.to(device) for t in _clouds("random", 300, 2000))
+    feats = torch.randn(2000, f, device=device)
+    _, w, i = ops[0].knn_aggregate_fwd(q, r, feats, 7, 0.1)
+    scalar = ops[1].gather(w, i, feats, vector_loads=False)
+    vector = ops[1].gather(w, i, feats, vector_loads=True)
+    torch.testing.assert_close(vector, scalar, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="^vector_loads: float4 loads need"):
+        ops[1].gather(w, i, torch.randn(2000, f + 1, device=device), vector_loads=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_value_check_switch_reaches_the_kernels(ops, device):
+    q, r = (t.to(device) for t in _clouds("random", 20, 100))
+    bad = q.clone()
+    bad[3, 1] = math.nan
+    with pytest.raises(ValueError, match="^p_query: expected finite coordinates"):
+        ops[0].knn(bad, r, 3)
+    with checks.value_checks(False):
+        d, _ = ops[0].knn(bad, r, 3)  # the reader switched them off: no error
+    assert not torch.isfinite(d[3]).all() and torch.isfinite(d[4]).all()
+    with pytest.raises(ValueError, match="^p_ref: expected finite coordinates"):
+        ops[0].knn(q, torch.where(r > 1.5, math.inf, r), 3)
+
+
+def test_k_beyond_the_kernels_list_is_refused_by_kernel_and_fake(ops):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, r = _clouds("random", 10, 100)
+    with pytest.raises(ValueError, match="^k: expected k <= 64"):
+        ops[0].knn(q, r, 65)
+    with FakeTensorMode() as mode:
+        fq, fr = mode.from_tensor(q), mode.from_tensor(r)
+        with pytest.raises(ValueError, match="^k: expected k <= 64"):
+            ops[0].knn(fq, fr, 65)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forward_and_backward_replay_in_one_cuda_graph(ops):
+    q, r = (t.cuda() for t in _clouds("random", 500, 5000))
+    feats = torch.randn(5000, 8, device="cuda", requires_grad=True)
+    grad_out = torch.randn(500, 8, device="cuda")
+
+    def step():
+        out = ops[1].knn_aggregate(q, r, feats, 7, 0.1)
+        return out, torch.autograd.grad(out, feats, grad_out)[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        before = [t.clone() for t in step()]  # warm-up on a side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    r.add_(0.05 * torch.randn_like(r))  # moved points: the replay builds a new grid
+    graph.replay()
+    want = step()
+    assert not torch.allclose(want[0], before[0])
+    for got, expected in zip(captured, want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow

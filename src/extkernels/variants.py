@@ -161,6 +161,18 @@ VARIANTS: list[Variant] = [
         chapter=8,
         mode="reduce-overhead",
     ),
+    Variant("knn/cpp", "knn", "cpp", chapter=9),
+    Variant("knn/cpp+compile", "knn", "cpp", compile=True, fullgraph=True, chapter=9),
+    Variant(
+        "knn/cpp+reduce-overhead",
+        "knn",
+        "cpp",
+        compile=True,
+        fullgraph=True,
+        chapter=9,
+        mode="reduce-overhead",
+    ),
+    Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",

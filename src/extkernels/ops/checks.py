@@ -49,6 +49,8 @@ __all__ = [
     "call_checked",
     "values_checked",
     "value_checks",
+    "on_value_checks",
+    "value_checks_on",
 ]
 
 T = TypeVar("T")
@@ -58,16 +60,39 @@ _enabled = {"values": True}
 _local = threading.local()
 
 
+# Called with the new setting whenever value_checks changes it: operators that check
+# values in their own language (the C++ backend) keep their own switch in step.
+_listeners: list[Callable[[bool], object]] = []
+
+
+def on_value_checks(listener: Callable[[bool], object]) -> None:
+    """Call ``listener(enabled)`` now and whenever :func:`value_checks` turns the checks
+    on or off."""
+    _listeners.append(listener)
+    listener(_enabled["values"])
+
+
+def _set_values(enabled: bool) -> None:
+    _enabled["values"] = enabled
+    for listener in _listeners:
+        listener(enabled)
+
+
 @contextmanager
 def value_checks(enabled: bool) -> Iterator[None]:
     """Turn the checks of tensor values on or off inside a ``with`` block (every
     backend)."""
     previous = _enabled["values"]
-    _enabled["values"] = bool(enabled)
+    _set_values(bool(enabled))
     try:
         yield
     finally:
-        _enabled["values"] = previous
+        _set_values(previous)
+
+
+def value_checks_on() -> bool:
+    """The reader's switch: whether value checks are on (see :func:`value_checks`)."""
+    return _enabled["values"]
 
 
 def values_checked(t: torch.Tensor | None = None) -> bool:
@@ -210,9 +235,11 @@ def _clouds(p_query: object, p_ref: object) -> None:
     check_same_device(p_query=p_query, p_ref=p_ref)
 
 
-def _clouds_and_feats(p_query: object, p_ref: object, feats: object) -> None:
+def _clouds_and_feats(
+    p_query: object, p_ref: object, feats: object, dtypes=(torch.float32,)
+) -> None:
     _clouds(p_query, p_ref)
-    check_feats(feats, p_ref.shape[0])
+    check_feats(feats, p_ref.shape[0], dtypes=dtypes)
     check_same_device(p_ref=p_ref, feats=feats)
 
 
@@ -235,9 +262,11 @@ def check_knn_aggregate(
     sigma: object,
     *,
     values: bool | None = None,
+    feats_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> tuple[int, float]:
-    """The arguments of ``knn_aggregate``. Returns ``(k, sigma)``."""
-    _clouds_and_feats(p_query, p_ref, feats)
+    """The arguments of ``knn_aggregate`` (``feats_dtypes``: for an operator that takes
+    more than float32 features). Returns ``(k, sigma)``."""
+    _clouds_and_feats(p_query, p_ref, feats, feats_dtypes)
     k = check_k(k, p_ref.shape[0])
     sigma = check_positive("sigma", sigma)
     check_finite(values, p_query=p_query, p_ref=p_ref)

@@ -81,6 +81,8 @@ class Backend:
             that implements it with the operation's own arguments (what ``opcheck`` runs
             on).
         chapter: the chapter that teaches it.
+        prepare: makes its custom operators exist (a just-in-time build of compiled
+            ones); called before :meth:`operator` looks one up.
     """
 
     name: str
@@ -91,6 +93,7 @@ class Backend:
     radius_aggregate: Callable | None = None
     operators: Mapping[str, str] = field(default_factory=dict)
     chapter: int = 1
+    prepare: Callable[[], object] = _always
 
     def __post_init__(self) -> None:
         if self.knn is not None and self.knn_aggregate is None:
@@ -110,6 +113,7 @@ class Backend:
         qualname = self.operators.get(op)
         if qualname is None:
             return None
+        self.prepare()
         namespace, name = qualname.split("::")
         return getattr(getattr(torch.ops, namespace), name).default
 

@@ -16,7 +16,7 @@ namespace extkernels {
 // Mean reference points per cell the grid aims for.
 constexpr float kPointsPerCell = 2.0f;
 // The most neighbours a query may ask for (the kept list lives in registers).
-constexpr int kMaxK = 32;
+constexpr int kMaxK = 64;
 
 // Cells the workspace holds for a cloud of n points: a function of the shape only.
 EK_HD int64_t cell_capacity(int64_t n) { return n < 1 ? 1 : 2 * n; }
@@ -84,27 +84,62 @@ EK_HD int64_t key_of(const float* p, const GridParams& g) {
   return key;
 }
 
-// The k best (squared distance, index) pairs, kept sorted ascending.
+// A reference point in cell order: its coordinates and its row in the caller's cloud,
+// 16 bytes, so that a CUDA thread reads it with one vectorised (float4) load.
+struct alignas(16) Point4 {
+  float x, y, z;
+  int32_t index;
+};
+
+EK_HD Point4 load_point(const Point4* points, int64_t j) {
+#if defined(__CUDA_ARCH__)
+  const float4 v = __ldg(reinterpret_cast<const float4*>(points) + j);
+  return Point4{v.x, v.y, v.z, __float_as_int(v.w)};
+#else
+  return points[j];
+#endif
+}
+
+// The k best (squared distance, index) pairs, sorted ascending, in at most KMAX slots.
+// Every loop is unrolled over the compile-time KMAX, so that on a GPU the list lives
+// in registers (an array indexed by a run-time value would live in local memory).
+template <int KMAX>
 struct TopK {
-  float d[kMaxK];
-  int64_t i[kMaxK];
-  int k, count;
+  float d[KMAX];
+  int32_t i[KMAX];
+  int k;
 
   EK_HD void init(int k_) {
     k = k_;
-    count = 0;
-  }
-  EK_HD float worst() const { return count < k ? INFINITY : d[k - 1]; }
-  EK_HD void push(float dist, int64_t index) {
-    if (dist >= worst()) return;
-    int j = count < k ? count++ : k - 1;
-    while (j > 0 && d[j - 1] > dist) {
-      d[j] = d[j - 1];
-      i[j] = i[j - 1];
-      --j;
+#pragma unroll
+    for (int s = 0; s < KMAX; ++s) {
+      d[s] = INFINITY;
+      i[s] = -1;
     }
-    d[j] = dist;
-    i[j] = index;
+  }
+  EK_HD float worst() const {  // the k-th best so far (infinity until k are kept)
+    float w = INFINITY;
+#pragma unroll
+    for (int s = 0; s < KMAX; ++s) w = s == k - 1 ? d[s] : w;
+    return w;
+  }
+  EK_HD bool full() const { return worst() < INFINITY; }
+  EK_HD void push(float dist, int32_t index) {
+    if (!(dist < worst())) return;
+    bool placed = false;  // insertion from the top: shift larger entries up one slot
+#pragma unroll
+    for (int s = KMAX - 1; s >= 0; --s) {
+      if (s < k && !placed) {
+        if (s > 0 && d[s - 1] > dist) {
+          d[s] = d[s - 1];
+          i[s] = i[s - 1];
+        } else {
+          d[s] = dist;
+          i[s] = index;
+          placed = true;
+        }
+      }
+    }
   }
 };
 
@@ -171,23 +206,45 @@ EK_HD void for_ring(const Rings& R, int64_t r, const GridParams& g, const int32_
   }
 }
 
-// The k nearest of query q among the sorted reference points (ref: (n, 3) in cell
-// order, index: their indices in the caller's cloud), by growing rings.
-EK_HD void ring_search(const float* q, const float* ref, const int64_t* index,
-                       const int32_t* start, const GridParams& g, TopK& best) {
+// The k nearest of query q among the sorted reference points (in cell order, see
+// Point4), by growing rings: exact, because it stops only when no point of a ring not
+// yet visited can be nearer than the k-th best so far.
+template <int KMAX>
+EK_HD void ring_search(const float* q, const Point4* ref, const int32_t* start,
+                       const GridParams& g, TopK<KMAX>& best) {
   const Rings R = rings_of(q, g);
+  const float qx = q[0], qy = q[1], qz = q[2];
   for (int64_t r = R.first; r <= R.last; ++r) {
     for_ring(R, r, g, start, [&](int32_t begin, int32_t end) {
       for (int32_t j = begin; j < end; ++j) {
-        const float dx = q[0] - ref[3 * j], dy = q[1] - ref[3 * j + 1],
-                    dz = q[2] - ref[3 * j + 2];
-        best.push(dx * dx + dy * dy + dz * dz, index[j]);
+        const Point4 p = load_point(ref, j);
+        const float dx = qx - p.x, dy = qy - p.y, dz = qz - p.z;
+        best.push(dx * dx + dy * dy + dz * dz, p.index);
       }
     });
     // Slightly under the true bound, so that rounding at a cell's face never stops early.
     const float bound = ((float)r * g.h + R.inside) * (1.0f - 1e-5f);
-    if (best.count == best.k && best.d[best.k - 1] <= bound * bound) break;
+    if (best.worst() <= bound * bound) break;
   }
 }
 
 }  // namespace extkernels
+
+// Runs the statements given with KMAX, a compile-time constant, set to the smallest of 8,
+// 16, 32 and 64 that holds k: each kernel is compiled once per list size.
+#define EK_DISPATCH_KMAX(k, ...)            \
+  [&] {                                     \
+    if ((k) <= 8) {                         \
+      constexpr int KMAX = 8;               \
+      __VA_ARGS__                           \
+    } else if ((k) <= 16) {                 \
+      constexpr int KMAX = 16;              \
+      __VA_ARGS__                           \
+    } else if ((k) <= 32) {                 \
+      constexpr int KMAX = 32;              \
+      __VA_ARGS__                           \
+    } else {                                \
+      constexpr int KMAX = 64;              \
+      __VA_ARGS__                           \
+    }                                       \
+  }()

@@ -1,0 +1,134 @@
+// The argument checks of the C++ operators (chapter 9), on the host, shared by the CPU
+// and CUDA kernels. They keep the book's contract (extkernels/ops/checks.py): the
+// message starts with the argument's name and says what was expected; a wrong dtype is
+// a TypeError in Python (TORCH_CHECK_TYPE), a wrong shape, device, layout or value a
+// ValueError (TORCH_CHECK_VALUE).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cmath>
+
+#include "grid.h"
+
+namespace extkernels {
+
+// Whether the operators check that coordinates are finite (a device synchronisation on
+// a GPU). Python's value_checks switch sets it (operator set_value_checks).
+std::atomic<bool>& value_checks_flag();
+
+inline void check_cloud(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name,
+                   ": expected dtype torch.float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == 3, name,
+                    ": expected shape (n, 3), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(0) > 0, name,
+                    ": expected at least one point, got an empty cloud of shape (0, 3)");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name,
+                    ": expected a contiguous tensor (call .contiguous() first)");
+}
+
+inline void check_same_device(const at::Tensor& first, const char* first_name,
+                              const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device() == first.device(), name, ": expected a tensor on ",
+                    first.device(), " like ", first_name, ", got ", t.device());
+}
+
+inline void check_clouds(const at::Tensor& p_query, const at::Tensor& p_ref) {
+  check_cloud(p_query, "p_query");
+  check_cloud(p_ref, "p_ref");
+  check_same_device(p_query, "p_query", p_ref, "p_ref");
+}
+
+inline void check_feats_dtype(const at::Tensor& t, const char* name);
+
+// Features: float32, float64 or float16, (n_ref, F) with F >= 1, contiguous.
+inline void check_feats(const at::Tensor& feats, const at::Tensor& p_ref) {
+  check_feats_dtype(feats, "feats");
+  TORCH_CHECK_VALUE(feats.dim() == 2 && feats.size(1) > 0,
+                    "feats: expected shape (n_ref, F) with F >= 1, got ", feats.sizes());
+  TORCH_CHECK_VALUE(feats.size(0) == p_ref.size(0),
+                    "feats: expected one row per reference point (", p_ref.size(0),
+                    " rows), got ", feats.size(0));
+  TORCH_CHECK_VALUE(feats.is_contiguous(),
+                    "feats: expected a contiguous tensor (call .contiguous() first)");
+  check_same_device(p_ref, "p_ref", feats, "feats");
+}
+
+inline void check_k(int64_t k, int64_t n_ref) {
+  TORCH_CHECK_VALUE(k >= 1 && k <= n_ref, "k: expected 1 <= k <= ", n_ref,
+                    " (the size of p_ref), got ", k);
+  TORCH_CHECK_VALUE(k <= kMaxK, "k: expected k <= ", kMaxK,
+                    " (the C++ kernels keep at most that many neighbours), got ", k);
+}
+
+inline void check_sigma(double sigma) {
+  TORCH_CHECK_VALUE(std::isfinite(sigma) && sigma > 0,
+                    "sigma: expected a finite value > 0, got ", sigma);
+}
+
+// Finite coordinates in both clouds, by one reduction and one read on the host; skipped
+// when switched off, and while a CUDA graph is being captured (nothing may be read
+// back then).
+inline void check_finite(const at::Tensor& p_query, const at::Tensor& p_ref,
+                         bool capturing) {
+  if (capturing || !value_checks_flag().load(std::memory_order_relaxed)) return;
+  const at::Tensor finite =
+      at::stack({at::isfinite(p_query).all(), at::isfinite(p_ref).all()}).cpu();
+  const bool* ok = finite.data_ptr<bool>();
+  TORCH_CHECK_VALUE(ok[0], "p_query: expected finite coordinates, found NaN or infinity");
+  TORCH_CHECK_VALUE(ok[1], "p_ref: expected finite coordinates, found NaN or infinity");
+}
+
+// The neighbours the search handed to the gather and its adjoint: (M, k) float32
+// weights and int64 rows of p_ref (their values are the search's, not checked again).
+inline void check_neighbours(const at::Tensor& weights, const at::Tensor& indices) {
+  TORCH_CHECK_TYPE(weights.scalar_type() == at::kFloat,
+                   "weights: expected dtype torch.float32, got ", weights.scalar_type());
+  TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong,
+                   "indices: expected dtype torch.int64, got ", indices.scalar_type());
+  TORCH_CHECK_VALUE(weights.dim() == 2 && weights.size(1) >= 1 && weights.is_contiguous(),
+                    "weights: expected a contiguous (M, k) tensor, got ", weights.sizes());
+  TORCH_CHECK_VALUE(indices.sizes() == weights.sizes() && indices.is_contiguous(),
+                    "indices: expected a contiguous tensor of the shape of weights ",
+                    weights.sizes(), ", got ", indices.sizes());
+  check_same_device(weights, "weights", indices, "indices");
+}
+
+inline void check_feats_dtype(const at::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf,
+                   name, ": expected dtype torch.float32, torch.float64 or "
+                   "torch.float16, got ", dtype);
+}
+
+// The aggregation's backward: the incoming gradient is (M, F), one row per query.
+inline void check_backward(const at::Tensor& grad_out, const at::Tensor& weights,
+                           const at::Tensor& indices, int64_t n_ref) {
+  check_neighbours(weights, indices);
+  check_feats_dtype(grad_out, "grad_out");
+  TORCH_CHECK_VALUE(grad_out.dim() == 2 && grad_out.size(0) == weights.size(0) &&
+                        grad_out.is_contiguous(),
+                    "grad_out: expected a contiguous (M, F) tensor with M = ",
+                    weights.size(0), ", got ", grad_out.sizes());
+  check_same_device(weights, "weights", grad_out, "grad_out");
+  TORCH_CHECK_VALUE(n_ref >= 1, "n_ref: expected n_ref >= 1, got ", n_ref);
+}
+
+// The gather: features of the reference points, and whether to read them as float4.
+inline void check_gather(const at::Tensor& weights, const at::Tensor& indices,
+                         const at::Tensor& feats, bool vector_loads) {
+  check_neighbours(weights, indices);
+  check_feats_dtype(feats, "feats");
+  TORCH_CHECK_VALUE(feats.dim() == 2 && feats.size(1) > 0 && feats.is_contiguous(),
+                    "feats: expected a contiguous (n_ref, F) tensor with F >= 1, got ",
+                    feats.sizes());
+  check_same_device(weights, "weights", feats, "feats");
+  TORCH_CHECK_VALUE(
+      !vector_loads || (feats.scalar_type() == at::kFloat && feats.size(1) % 4 == 0),
+      "vector_loads: float4 loads need float32 features with F divisible by 4, got ",
+      feats.scalar_type(), " and F = ", feats.size(1));
+}
+
+}  // namespace extkernels
