@@ -7,11 +7,12 @@ import importlib.metadata as md
 import inspect
 import platform
 import subprocess
+from pathlib import Path
 
 import pandas as pd
 import torch
 
-__all__ = ["versions", "show_source"]
+__all__ = ["versions", "show_source", "cpp_excerpt", "show_cpp"]
 
 # (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different
 # names.
@@ -80,6 +81,31 @@ def show_source(obj) -> object:
     from IPython.display import Code
 
     return Code(inspect.getsource(decorated(obj)), language="python")
+
+
+def cpp_excerpt(path, start: str) -> str:
+    """The C++ declaration in file ``path`` that begins on the first line containing
+    ``start`` (a function, a struct, a ``TORCH_LIBRARY`` block), with the comment and
+    ``template`` lines just above it: up to the brace that closes it."""
+    lines = Path(path).read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if start in line)
+    while first > 0 and lines[first - 1].lstrip().startswith(("//", "template <")):
+        first -= 1
+    depth, opened = 0, False
+    for last in range(first, len(lines)):
+        code = lines[last].split("//")[0]
+        depth += code.count("{") - code.count("}")
+        opened = opened or "{" in code
+        if opened and depth == 0:
+            break
+    return "\n".join(lines[first : last + 1])
+
+
+def show_cpp(path, start: str) -> object:
+    """:func:`cpp_excerpt`, rendered as a highlighted block."""
+    from IPython.display import Code
+
+    return Code(cpp_excerpt(path, start), language="cpp")
 
 
 def decorated(obj):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CSRC", "sources", "load", "build_seconds"]
+__all__ = ["CSRC", "sources", "load", "build_seconds", "arch_list"]
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -30,6 +30,11 @@ def _with_cuda() -> bool:
     from torch.utils.cpp_extension import CUDA_HOME
 
     return torch.cuda.is_available() and CUDA_HOME is not None
+
+
+def arch_list() -> str | None:
+    """The GPU architectures the CUDA kernels are built for (``None`` without CUDA)."""
+    return os.environ.get("TORCH_CUDA_ARCH_LIST") if _with_cuda() else None
 
 
 @functools.cache

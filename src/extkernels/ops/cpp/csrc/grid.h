@@ -19,7 +19,7 @@ constexpr float kPointsPerCell = 2.0f;
 constexpr int kMaxK = 64;
 
 // Cells the workspace holds for a cloud of n points: a function of the shape only.
-EK_HD int64_t cell_capacity(int64_t n) { return n < 1 ? 1 : 2 * n; }
+EK_HD int64_t cell_capacity(int64_t n) { return n < 1 ? 1 : 8 * n; }
 
 struct GridParams {
   float lo[3];
@@ -28,19 +28,25 @@ struct GridParams {
   int dims[3];   // cells per axis; dims[0] * dims[1] * dims[2] <= cell_capacity(n)
 };
 
-// The grid over the box lo .. hi of n points: cubes of side h with about
-// kPointsPerCell points each if the points filled the box, over the axes the box
-// spans (a flat cloud gets one layer of cells); never more than cell_capacity(n).
-EK_HD GridParams make_grid(const float lo[3], const float hi[3], int64_t n) {
+// The grid over the box lo .. hi of n points whose coordinates have standard deviations
+// sd: cubes of side h holding about kPointsPerCell points where the cloud is densest.
+// The volume the points fill is taken, per axis, as the smaller of the box's extent and
+// sqrt(2 pi) sd (the width of a normal distribution's peak): a box sized by a few
+// outliers would put hundreds of points in the central cells. A flat cloud gets one
+// layer of cells; the grid never has more than cell_capacity(n) cells (coarser cells
+// when it would).
+EK_HD GridParams make_grid(const float lo[3], const float hi[3], const float sd[3],
+                           int64_t n) {
   GridParams g;
   float volume = 1.0f, widest = 0.0f;
   int spanned = 0;
   for (int a = 0; a < 3; ++a) {
     g.lo[a] = lo[a];
-    float e = hi[a] - lo[a];
+    const float e = hi[a] - lo[a];
     widest = e > widest ? e : widest;
     if (e > 0.0f) {
-      volume *= e;
+      const float peak = 2.5066283f * sd[a];
+      volume *= peak > 0.0f && peak < e ? peak : e;
       ++spanned;
     }
   }
@@ -52,16 +58,24 @@ EK_HD GridParams make_grid(const float lo[3], const float hi[3], int64_t n) {
     h = h > widest * 1e-6f ? h : widest * 1e-6f;  // float cells stay countable
   }
   const double capacity = (double)cell_capacity(n);
-  for (int attempt = 0; attempt < 64; ++attempt) {
-    double total = 1.0;
+  double total = INFINITY;
+  for (int attempt = 0; attempt < 64 && total > capacity; ++attempt) {
+    if (attempt > 0) h *= 1.25f;  // too many cells for the workspace: coarser
+    total = 1.0;
     for (int a = 0; a < 3; ++a) {
-      float e = hi[a] - lo[a];
-      int d = (int)floorf(e / h) + 1;
-      g.dims[a] = d < 1 ? 1 : d;
+      const float d = floorf((hi[a] - lo[a]) / h) + 1.0f;
+      g.dims[a] = d >= 1.0f && d < 2e9f ? (int)d : 1;
       total *= (double)g.dims[a];
     }
-    if (total <= capacity) break;
-    h *= 1.25f;  // too many cells for the workspace: coarser
+  }
+  if (!(total <= capacity) || !(h > 0.0f && h < INFINITY)) {
+    // Only for coordinates that are not finite (with the value checks switched off):
+    // one cell, so that nothing is written outside the workspace.
+    for (int a = 0; a < 3; ++a) {
+      g.lo[a] = 0.0f;
+      g.dims[a] = 1;
+    }
+    h = 1.0f;
   }
   g.h = h;
   g.inv_h = 1.0f / h;
@@ -173,6 +187,10 @@ EK_HD Rings rings_of(const float* q, const GridParams& g) {
     R.last = far > R.last ? far : R.last;
   }
   R.inside = R.inside > 0.0f ? R.inside : 0.0f;
+  if (!(q[0] - q[0] == 0.0f && q[1] - q[1] == 0.0f && q[2] - q[2] == 0.0f)) {
+    R.first = 0;  // a coordinate that is not finite (value checks off): no ring at
+    R.last = -1;  // all, and the query keeps no neighbour (index -1)
+  }
   return R;
 }
 

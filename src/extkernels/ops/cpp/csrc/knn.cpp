@@ -35,14 +35,23 @@ Sorted build_grid_cpu(const at::Tensor& p_ref) {
   const int64_t n = p_ref.size(0);
   const float* p = p_ref.data_ptr<float>();
   float lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
+  double sum[3] = {0, 0, 0}, sum2[3] = {0, 0, 0};
   for (int64_t j = 0; j < n; ++j) {
     for (int a = 0; a < 3; ++a) {
-      lo[a] = std::min(lo[a], p[3 * j + a]);
-      hi[a] = std::max(hi[a], p[3 * j + a]);
+      const float x = p[3 * j + a];
+      lo[a] = std::min(lo[a], x);
+      hi[a] = std::max(hi[a], x);
+      sum[a] += x;
+      sum2[a] += (double)x * x;
     }
   }
+  float sd[3];
+  for (int a = 0; a < 3; ++a) {
+    const double mean = sum[a] / n;
+    sd[a] = (float)std::sqrt(std::max(0.0, sum2[a] / n - mean * mean));
+  }
   Sorted s;
-  s.g = make_grid(lo, hi, n);
+  s.g = make_grid(lo, hi, sd, n);
   const int64_t cells = (int64_t)s.g.dims[0] * s.g.dims[1] * s.g.dims[2];
   std::vector<int64_t> key(n);
   s.start = at::zeros({cells + 1}, p_ref.options().dtype(at::kInt));
@@ -125,6 +134,7 @@ at::Tensor gather_cpu(const at::Tensor& weights, const at::Tensor& indices,
       for (int64_t q = begin; q < end; ++q) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
         for (int64_t j = 0; j < k; ++j) {
+          if (idx[q * k + j] < 0) continue;  // no neighbour (value checks off)
           const acc_t wj = w[q * k + j];
           const scalar_t* row = x + idx[q * k + j] * f;
           for (int64_t c = 0; c < f; ++c) acc[c] += wj * static_cast<acc_t>(row[c]);
@@ -169,6 +179,7 @@ at::Tensor knn_aggregate_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& w
     for (int64_t q = 0; q < m; ++q) {  // serial: rows of different queries collide
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = idx[q * k + j];
+        if (r < 0) continue;
         for (int64_t c = 0; c < f; ++c) {
           a[r * f + c] += w[q * k + j] * static_cast<acc_t>(g[q * f + c]);
         }

@@ -31,9 +31,9 @@ bool capturing() {
          c10::cuda::CaptureStatus::None;
 }
 
-__global__ void grid_params_kernel(const float* lo, const float* hi, int64_t n,
-                                   GridParams* out) {
-  *out = make_grid(lo, hi, n);
+__global__ void grid_params_kernel(const float* lo, const float* hi, const float* sd,
+                                   int64_t n, GridParams* out) {
+  *out = make_grid(lo, hi, sd, n);
 }
 
 __global__ void count_kernel(const float* p, int64_t n, const GridParams* params,
@@ -99,7 +99,8 @@ __global__ void gather_kernel(const float* w, const int64_t* idx, const scalar_t
   const int64_t q = t / f, c = t % f;
   acc_t acc = 0;
   for (int j = 0; j < k; ++j) {
-    acc += (acc_t)w[q * k + j] * (acc_t)feats[idx[q * k + j] * f + c];
+    const int64_t r = idx[q * k + j];
+    if (r >= 0) acc += (acc_t)w[q * k + j] * (acc_t)feats[r * f + c];  // -1: none
   }
   out[t] = (scalar_t)acc;
 }
@@ -113,8 +114,10 @@ __global__ void gather_float4_kernel(const float* w, const int64_t* idx,
   const int64_t q = t / f4, c = t % f4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int j = 0; j < k; ++j) {
+    const int64_t r = idx[q * k + j];
+    if (r < 0) continue;  // no neighbour (value checks off)
     const float wj = w[q * k + j];
-    const float4 x = __ldg(feats + idx[q * k + j] * f4 + c);
+    const float4 x = __ldg(feats + r * f4 + c);
     acc.x += wj * x.x;
     acc.y += wj * x.y;
     acc.z += wj * x.z;
@@ -133,7 +136,8 @@ __global__ void scatter_add_kernel(const scalar_t* grad_out, const float* w,
   const int64_t q = t / f, c = t % f;
   const acc_t g = (acc_t)grad_out[t];
   for (int j = 0; j < k; ++j) {
-    atomicAdd(grad + idx[q * k + j] * f + c, (acc_t)w[q * k + j] * g);
+    const int64_t r = idx[q * k + j];
+    if (r >= 0) atomicAdd(grad + r * f + c, (acc_t)w[q * k + j] * g);
   }
 }
 
@@ -150,11 +154,12 @@ DeviceGrid build_grid_cuda(const at::Tensor& p_ref) {
   const int64_t capacity = cell_capacity(n);
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto [lo, hi] = at::aminmax(p_ref, 0);
+  const at::Tensor sd = at::std(p_ref, at::IntArrayRef{0}, at::Scalar(0), false);
   DeviceGrid d;
   d.params = at::empty({(int64_t)sizeof(GridParams)}, p_ref.options().dtype(at::kByte));
   auto* params = reinterpret_cast<GridParams*>(d.params.data_ptr<uint8_t>());
-  grid_params_kernel<<<1, 1, 0, stream>>>(lo.data_ptr<float>(), hi.data_ptr<float>(), n,
-                                          params);
+  grid_params_kernel<<<1, 1, 0, stream>>>(lo.data_ptr<float>(), hi.data_ptr<float>(),
+                                          sd.data_ptr<float>(), n, params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto ints = p_ref.options().dtype(at::kInt);
   at::Tensor keys = at::empty({n}, ints);
