@@ -217,9 +217,51 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
         from extkernels.ops.triton import spatial
 
         names.update(kernels=triton_kernels, ops=triton_ops, spatial=spatial)
+    if name.startswith("09_"):  # chapter 9 names the C++ backend and its build
+        from extkernels.ops import cpp
+        from extkernels.ops.cpp import build
+
+        cpp.prepare()  # its Python half (cpp.ops) exists once the library is loaded
+        names.update(cpp=cpp, build=build)
     obj = eval(expression, names)
     source = inspect.getsource(decorated(obj))
     assert source.rstrip() == stored.rstrip(), (
         f"{name}, cell {cell}: the listing of {expression} is not the package's code "
         "any more; re-execute the chapter"
+    )
+
+
+def _cpp_listings() -> list:
+    """``(notebook, cell, file, start, stored text)`` of every ``show_cpp`` cell."""
+    found = []
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            m = re.search(
+                r'show_cpp\(build\.CSRC / "([\w.]+)", "([^"]+)"\)', cell.source
+            )
+            if cell.cell_type == "code" and m:
+                stored = "".join(
+                    o["data"]["text/plain"] for o in cell.outputs if "data" in o
+                )
+                found.append(
+                    pytest.param(
+                        path.name, i, *m.groups(), stored, id=f"{path.stem}-{i}"
+                    )
+                )
+    return found
+
+
+@pytest.mark.parametrize("name, cell, file, start, stored", _cpp_listings())
+def test_stored_cpp_listings_show_the_sources_as_they_are(
+    name, cell, file, start, stored
+):
+    # The C++ listings are outputs too: a changed source needs the chapter re-executed.
+    from extkernels.notebook import cpp_excerpt
+    from extkernels.ops.cpp.build import CSRC
+
+    assert stored.strip(), f"{name}, cell {cell}: no stored listing"
+    assert cpp_excerpt(CSRC / file, start).rstrip() == stored.rstrip(), (
+        f"{name}, cell {cell}: the listing of {file} ({start}) is not the source any "
+        "more; re-execute the chapter"
     )
