@@ -217,3 +217,15 @@ def test_cuda_source_compiles(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "knn_cuda.o").stat().st_size > 0
+
+
+def test_stable_coverage_lists_the_aten_calls_of_the_sources():
+    table = build.stable_coverage()
+    sources = "".join(p.read_text() for p in build.CSRC.iterdir())
+    # every listed call is in the sources, as often as counted
+    for name, row in table.iterrows():
+        assert sources.count(f"at::{name}(") == row["calls"], name
+    assert {"cumsum", "aminmax", "empty"} <= set(table.index)
+    # torch::stable has empty() since 2.9, and no cumsum in the PyTorch this book pins
+    assert table.loc["empty", "in torch::stable"]
+    assert not table.loc["cumsum", "in torch::stable"]

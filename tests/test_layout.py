@@ -19,7 +19,7 @@ EXPERIMENTS = ("extkernels.variants", "extkernels.benchmark", "extkernels.experi
 LAZY = {
     ("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp",
     ("extkernels.ops.triton", "extkernels.ops.triton.ops"): "Triton is optional",
-    ("extkernels.ops.cpp", "extkernels.ops.cpp.ops"): "importing it builds the C++ code",
+    ("extkernels.ops.cpp", "extkernels.ops.cpp.ops"): "importing builds the C++ code",
 }
 
 

@@ -209,7 +209,17 @@ def test_every_variant_has_an_eager_torch_baseline():
     assert all(V.baseline_of(v) in names for v in V.VARIANTS)
 
 
-@pytest.mark.parametrize("name", ["knn/torch", "radius/torch"])
+def test_a_floor_variant_projects_through_a_fixed_gather(small_problem):
+    from extkernels import FixedGather
+
+    model, _, (p_query, p_ref, _) = V.get("knn/floor").build(small_problem)
+    assert isinstance(model.aggregation, FixedGather)
+    assert model.aggregation.index.max() < p_ref.shape[0]
+    assert model(p_query, p_ref).shape == (p_query.shape[0], 1)
+    assert V.get("knn/floor").available()
+
+
+@pytest.mark.parametrize("name", ["knn/torch", "radius/torch", "knn/floor"])
 def test_run_eager_variant_at_a_tiny_problem(name, small_problem):
     row = V.run(V.get(name), small_problem)
     assert row["variant"] == name
@@ -467,3 +477,25 @@ def test_a_variant_that_fails_in_its_process_reports_its_error():
     with pytest.raises(RuntimeError, match="no/such-variant") as failure:
         benchmark._run_isolated("no/such-variant")
     assert "Traceback" in str(failure.value)  # the child's stderr, kept for the reader
+
+
+def _frame(ms: dict[str, tuple[float, float]]):
+    return timing.timings_frame(
+        [{"variant": v, "forward_ms": f, "train_ms": t} for v, (f, t) in ms.items()]
+    )
+
+
+def test_against_goals_flags_a_variant_only_when_both_goals_hold():
+    df = _frame({"a": (0.2, 0.4), "b": (0.2, 0.9), "ref": (2.0, 4.0)})
+    out = timing.against_goals(df, {"a": (0.3, 0.5), "b": (0.3, 0.5)}, reference="ref")
+    assert out["met"].tolist() == [True, False]
+    assert out.loc["b", "× ref forward"] == pytest.approx(10.0)
+    assert out.loc["a", "× ref training"] == pytest.approx(10.0)
+
+
+def test_above_floor_subtracts_the_floor_per_metric():
+    df = _frame({"x": (0.5, 2.0), "floor": (0.3, 1.5)})
+    out = timing.above_floor(df, {"eager": ("x", "floor")})
+    assert out.loc[("eager", "forward"), "aggregation ms"] == pytest.approx(0.2)
+    assert out.loc[("eager", "training"), "aggregation ms"] == pytest.approx(0.5)
+    assert out.loc[("eager", "training"), "floor ms"] == pytest.approx(1.5)

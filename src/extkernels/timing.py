@@ -37,6 +37,8 @@ __all__ = [
     "timings_frame",
     "summary",
     "verdict",
+    "against_goals",
+    "above_floor",
     "forward_peak_mb",
 ]
 
@@ -219,6 +221,62 @@ def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
     if df.loc[a, lo] > df.loc[b, hi]:
         return "slower than"
     return "within the run-to-run spread of"
+
+
+def against_goals(
+    df: pd.DataFrame,
+    goals: dict[str, tuple[float, float]],
+    reference: str | None = None,
+) -> pd.DataFrame:
+    """Variants beside their goals: median forward and training ms, each goal, whether
+    both are met, and the speedups of the medians over ``reference`` where given.
+
+    Args:
+        df: from :func:`timings_frame`.
+        goals: variant -> ``(forward ms, training ms)`` it should stay within.
+        reference: a variant of ``df`` to take speedups over (``× <reference>``).
+    """
+    rows = {}
+    for name, (fwd, train) in goals.items():
+        row = df.loc[name]
+        rows[name] = {
+            "forward ms": row["forward_ms"],
+            "forward goal": fwd,
+            "training ms": row["train_ms"],
+            "training goal": train,
+        }
+        if reference is not None:
+            ref = df.loc[reference]
+            rows[name]["× ref forward"] = ref["forward_ms"] / row["forward_ms"]
+            rows[name]["× ref training"] = ref["train_ms"] / row["train_ms"]
+    out = pd.DataFrame(rows).T
+    out["met"] = (out["forward ms"] <= out["forward goal"]) & (
+        out["training ms"] <= out["training goal"]
+    )
+    return out
+
+
+def above_floor(df: pd.DataFrame, pairs: dict[str, tuple[str, str]]) -> pd.DataFrame:
+    """What a projector's aggregation adds to a floor variant (the same projector with
+    :class:`~extkernels.models.FixedGather` instead, chapter 7): for each ``label ->
+    (variant, floor variant)`` and each of forward and training, both medians and
+    their difference.
+
+    Returns:
+        DataFrame indexed by ``(label, "forward" | "training")`` with ``projector ms``,
+        ``floor ms`` and ``aggregation ms``.
+    """
+    rows = {
+        (label, metric): {
+            "projector ms": df.loc[name, f"{key}_ms"],
+            "floor ms": df.loc[floor, f"{key}_ms"],
+        }
+        for label, (name, floor) in pairs.items()
+        for metric, key in (("forward", "forward"), ("training", "train"))
+    }
+    out = pd.DataFrame(rows).T
+    out["aggregation ms"] = out["projector ms"] - out["floor ms"]
+    return out
 
 
 def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:

@@ -20,13 +20,18 @@ import torch
 
 from .data import query_grid, reference_cloud, targets
 from .memory import use_rmm_pool
-from .models import KnnAggregation, Projector, RadiusAggregation
+from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation
 from .ops import backends
 from .problem import Problem
 from .timing import Timing, first_call_seconds, time_projector
 from .training import make_train_step
 
-__all__ = ["Variant", "VARIANTS", "get", "run", "baseline_of"]
+__all__ = ["FLOOR", "Variant", "VARIANTS", "get", "run", "baseline_of"]
+
+#: The ``backend`` of a floor variant: the aggregation replaced by
+#: :class:`~extkernels.models.FixedGather` (no search, no custom operator), so that it
+#: times everything else a projector does: the MLPs, the loss, autograd and Adam.
+FLOOR = "floor"
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,8 @@ class Variant:
     Attributes:
         name: short unique name, used on the command line and in tables.
         workload: ``knn`` or ``radius``.
-        backend: backend of the aggregation (see :func:`extkernels.backends`).
+        backend: backend of the aggregation (see :func:`extkernels.backends`), or
+            :data:`FLOOR` for no aggregation at all (the floor under every backend).
         compile: wrap the model in ``torch.compile``.
         fullgraph: compile with ``fullgraph=True`` (fail on any graph break).
         chapter: the chapter that introduces it.
@@ -78,7 +84,7 @@ class Variant:
 
     def unavailable_reason(self) -> str | None:
         """Why it cannot run on this machine, or ``None`` when it can."""
-        if self.backend not in backends(self.op):
+        if self.backend != FLOOR and self.backend not in backends(self.op):
             return f"backend {self.backend!r} cannot run on this machine"
         if self.graphs and not torch.cuda.is_available():
             return "CUDA graphs need a CUDA GPU"
@@ -94,7 +100,9 @@ class Variant:
         p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
         p_query = query_grid(prob.grid_side, device=prob.device)
         target = targets(prob.n_query, seed=prob.seed, device=prob.device)
-        if self.workload == "knn":
+        if self.backend == FLOOR:
+            agg = FixedGather(prob.n_query, n_ref, seed=prob.seed)
+        elif self.workload == "knn":
             agg = KnnAggregation(prob.k, prob.sigma, self.backend, **self.options)
         else:
             agg = RadiusAggregation(
@@ -173,6 +181,8 @@ VARIANTS: list[Variant] = [
         mode="reduce-overhead",
     ),
     Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
+    Variant("knn/floor", "knn", FLOOR, chapter=9),
+    Variant("knn/floor+graphs", "knn", FLOOR, chapter=9, graphs=True),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",

@@ -6,12 +6,14 @@ kernels are built beside the CPU ones, for this GPU's architecture only."""
 
 import functools
 import os
+import re
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
-__all__ = ["CSRC", "sources", "load", "build_seconds", "arch_list"]
+__all__ = ["CSRC", "sources", "load", "build_seconds", "arch_list", "stable_coverage"]
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -58,3 +60,32 @@ def load(verbose: bool = False) -> None:
         verbose=verbose,
     )
     build_seconds = time.perf_counter() - start
+
+
+def stable_coverage() -> pd.DataFrame:
+    """The ATen functions the sources call (``at::name(``), and whether the ABI-stable
+    API (``torch/csrc/stable/ops.h``, PyTorch >= 2.9) offers a function of that name:
+    what porting the extension to ``STABLE_TORCH_LIBRARY`` would have to replace.
+
+    Returns:
+        DataFrame indexed by function, with ``calls`` (in the sources) and ``in
+        torch::stable`` (bool); empty ``torch::stable`` column where this PyTorch
+        ships no stable headers.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    calls: dict[str, int] = {}
+    for path in sorted(CSRC.iterdir()):
+        for name in re.findall(r"\bat::([a-z_]+)\(", path.read_text()):
+            calls[name] = calls.get(name, 0) + 1
+    headers = [Path(p) / "torch/csrc/stable/ops.h" for p in include_paths()]
+    stable = {
+        name
+        for h in headers
+        if h.exists()
+        for name in re.findall(r"^inline [\w:<>, ]+? (\w+)\(", h.read_text(), re.M)
+    }
+    out = pd.DataFrame(
+        {"calls": calls, "in torch::stable": {n: n in stable for n in calls}}
+    )
+    return out.rename_axis("at:: function").sort_values("calls", ascending=False)
