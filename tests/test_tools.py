@@ -210,10 +210,8 @@ def test_every_variant_has_an_eager_torch_baseline():
 
 
 def test_a_floor_variant_projects_through_a_fixed_gather(small_problem):
-    from extkernels import FixedGather
-
     model, _, (p_query, p_ref, _) = V.get("knn/floor").build(small_problem)
-    assert isinstance(model.aggregation, FixedGather)
+    assert isinstance(model.aggregation, extkernels.FixedGather)
     assert model.aggregation.index.max() < p_ref.shape[0]
     assert model(p_query, p_ref).shape == (p_query.shape[0], 1)
     assert V.get("knn/floor").available()

@@ -69,8 +69,8 @@ def stable_coverage() -> pd.DataFrame:
 
     Returns:
         DataFrame indexed by function, with ``calls`` (in the sources) and ``in
-        torch::stable`` (bool); empty ``torch::stable`` column where this PyTorch
-        ships no stable headers.
+        torch::stable`` (bool; all false where this PyTorch ships no stable
+        headers).
     """
     from torch.utils.cpp_extension import include_paths
 
