@@ -340,3 +340,31 @@ def scatter_kernel(
             tl.atomic_add(
                 grad_ptr + ij[:, None] * F + f0 + fcols, wj[:, None] * g, mask=f_in
             )
+
+
+@triton.jit
+def gather_kernel(
+    w_ptr,
+    idx_ptr,
+    f_ptr,
+    out_ptr,
+    M,
+    F,
+    K: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """The aggregation's gather alone: ``out[q] = sum_j w_qj * feats[idx_qj]``, given
+    the weights and indices (chapter 10 times it beside the C++ and PTX gathers)."""
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_in = q < M
+    fcols = tl.arange(0, BLOCK_F)[None, :]
+    for f0 in range(0, F, BLOCK_F):
+        f_in = q_in[:, None] & (f0 + fcols < F)
+        acc = tl.zeros((BLOCK_Q, BLOCK_F), tl.float32)
+        for j in tl.static_range(K):
+            wj = tl.load(w_ptr + q * K + j, mask=q_in, other=0.0)
+            ij = tl.load(idx_ptr + q * K + j, mask=q_in, other=0)
+            feat = tl.load(f_ptr + ij[:, None] * F + f0 + fcols, mask=f_in, other=0.0)
+            acc += wj[:, None] * feat
+        tl.store(out_ptr + q[:, None] * F + f0 + fcols, acc, mask=f_in)

@@ -19,6 +19,7 @@ from ..checks import check_knn, check_knn_aggregate
 from ..torch.brute_force import knn as brute_force_knn
 from . import spatial
 from .kernels import (
+    gather_kernel,
     knn_aggregate_kernel,
     knn_kernel,
     knn_kernel_autotuned,
@@ -32,6 +33,7 @@ __all__ = [
     "knn_aggregate_fwd_op",
     "knn_aggregate_bwd_op",
     "knn_aggregate",
+    "gather",
 ]
 
 #: Queries per program, and reference points per step of the brute force.
@@ -132,6 +134,8 @@ def _knn_fake(p_query, p_ref, k):
 # ---------------------------------------------------------------- fused kNN aggregation
 
 BLOCK_F = 32
+#: Queries per program of the gather alone.
+GATHER_BLOCK_Q = 32
 
 
 def _softmax_weights(distances: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -261,3 +265,27 @@ def _knn_aggregate_flops(
     q_shape, r_shape, f_shape, k, sigma, *args, out_shape=None, **kwargs
 ) -> int:
     return _PAIR_FLOPS * q_shape[0] * r_shape[0] + 2 * q_shape[0] * k * f_shape[1]
+
+
+def gather(
+    weights: torch.Tensor, indices: torch.Tensor, feats: torch.Tensor
+) -> torch.Tensor:
+    """The aggregation's gather alone, ``out[q] = sum_j weights[q, j] *
+    feats[indices[q, j]]``, by :func:`~.kernels.gather_kernel` (CUDA tensors, or
+    Triton's interpreter): ``(M, F)``. Arguments as the search hands them over, not
+    checked (chapter 10 times it beside the C++ and PTX gathers)."""
+    m, k = weights.shape
+    out = feats.new_empty((m, feats.shape[1]))
+    gather_kernel[(triton.cdiv(m, GATHER_BLOCK_Q),)](
+        weights,
+        indices,
+        feats,
+        out,
+        m,
+        feats.shape[1],
+        K=k,
+        BLOCK_Q=GATHER_BLOCK_Q,
+        BLOCK_F=BLOCK_F,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,227 @@
+"""PTX from Python, measured: the small experiments of chapter 10.
+
+:func:`call_costs` times one gather per call through each way of calling it (pyptx's
+kernel object, pyptx's own operator, the book's operator eager, compiled, and replayed
+in a CUDA graph); :func:`kernel_times` times the same gather and scatter written in
+C++, Triton and PTX on the device; :func:`build_costs` measures pyptx's build per shape
+and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly` asks
+``torch.compile`` to trace pyptx's kernel object itself. All but
+:func:`bucket_builds` need a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+from pyptx import torch_support
+from triton.testing import do_bench
+
+from ..ops.checks import value_checks
+from ..ops.ptx import kernels
+from ..ops.triton import ops as triton_ops
+from ..timing import time_fn
+
+__all__ = [
+    "pyptx_operator",
+    "graphed",
+    "call_costs",
+    "kernel_times",
+    "build_costs",
+    "bucket",
+    "bucket_builds",
+    "compile_directly",
+]
+
+
+def pyptx_operator(kernel) -> Callable:
+    """The custom operator pyptx registered for ``kernel``'s last build
+    (``pyptx::kernel_<handle>``: a list of tensors in, a list out)."""
+    _, key = kernel._last_cache_hit
+    return torch_support._REGISTERED_OPS[kernel._cubin_handles[key]]
+
+
+def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
+    """``fn`` captured once in a CUDA graph (after warm-ups on a side stream): the
+    graph's ``replay`` and what ``fn`` returned while captured (the tensors each replay
+    writes)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph.replay, result
+
+
+def call_costs(
+    weights, indices, feats, *, n_iters: int = 2000, repeats: int = 7
+) -> pd.DataFrame:
+    """Microseconds per call of the PTX gather, called each way, back to back: the
+    median of ``repeats`` blocks of ``n_iters`` calls with the fastest and slowest
+    block (value checks off, as in timed iterations), and the kernel's own time on the
+    device for scale."""
+    args = (weights, indices, feats)
+    ours = torch.ops.extkernels_ptx.gather
+    kernels.gather(*args)  # builds this shape (and pyptx's operator for it)
+    theirs = pyptx_operator(kernels.gather)
+    compiled = torch.compile(lambda w, i, f: ours(w, i, f), fullgraph=True)
+    ways: dict[str, Callable[[], object]] = {
+        "pyptx kernel object (its C++ bridge)": lambda: kernels.gather(*args),
+        "pyptx's operator (pyptx::kernel_<handle>)": lambda: theirs(list(args)),
+        "extkernels_ptx::gather (checks + kernel)": lambda: ours(*args),
+        "extkernels_ptx::gather, torch.compile(fullgraph=True)": lambda: compiled(
+            *args
+        ),
+    }
+    rows = {}
+    with value_checks(False):
+        ways["extkernels_ptx::gather, CUDA graph replay"] = graphed(
+            lambda: ours(*args)
+        )[0]
+        ways["for scale: torch.add"] = lambda: torch.add(feats, 1.0)
+        for name, fn in ways.items():
+            for _ in range(3):
+                fn()
+            blocks = [time_fn(fn, n_iters) * 1e3 for _ in range(repeats)]
+            rows[name] = {
+                "µs per call": statistics.median(blocks),
+                "min": min(blocks),
+                "max": max(blocks),
+            }
+    table = pd.DataFrame(rows).T
+    device_us = do_bench(lambda: kernels.gather(*args)) * 1e3
+    table["over the kernel's device time (µs)"] = table["µs per call"] - device_us
+    table.attrs["device_us"] = device_us
+    return table
+
+
+def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
+    """Device milliseconds (``do_bench``: median, 20th and 80th percentiles) of the
+    gather and of its adjoint, the scatter, in PyTorch, C++ (chapter 9), Triton and PTX,
+    on the same inputs."""
+    cpp = torch.ops.extkernels_cpp
+    n_ref = feats.shape[0]
+    contributions = weights.unsqueeze(-1) * grad_out.unsqueeze(1)
+    ways = {
+        ("gather", "PyTorch (index, multiply, sum)"): lambda: (
+            weights.unsqueeze(-1) * feats[indices]
+        ).sum(dim=1),
+        ("gather", "C++, scalar loads"): lambda: cpp.gather(
+            weights, indices, feats, False
+        ),
+        ("gather", "Triton"): lambda: triton_ops.gather(weights, indices, feats),
+        ("gather", "PTX (pyptx)"): lambda: kernels.gather(weights, indices, feats),
+        ("scatter", "PyTorch (index_add_)"): lambda: feats.new_zeros(
+            feats.shape
+        ).index_add_(0, indices.reshape(-1), contributions.flatten(0, 1)),
+        ("scatter", "C++"): lambda: cpp.knn_aggregate_bwd(
+            grad_out, weights, indices, n_ref
+        ),
+        ("scatter", "Triton"): lambda: torch.ops.triton_knn.knn_aggregate_bwd(
+            grad_out, weights, indices, n_ref
+        ),
+        ("scatter", "PTX (pyptx)"): lambda: torch.ops.extkernels_ptx.scatter(
+            grad_out, weights, indices, n_ref
+        ),
+    }
+    if feats.shape[1] % 4 == 0:
+        ways[("gather", "C++, float4 loads")] = lambda: cpp.gather(
+            weights, indices, feats, True
+        )
+    rows = {}
+    with value_checks(False):
+        for key, fn in ways.items():
+            p20, p50, p80 = do_bench(fn, quantiles=[0.2, 0.5, 0.8])
+            rows[key] = {"ms": p50, "p20": p20, "p80": p80}
+    table = pd.DataFrame(rows).T.sort_index(level=0, sort_remaining=False)
+    table.index.names = ["piece", "written in"]
+    return table
+
+
+def _seconds(fn: Callable, *args) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def build_costs(feats, k: int, sizes: list[int], *, seed: int = 0) -> pd.DataFrame:
+    """For each number of queries ``M`` in ``sizes`` (new to the kernel): milliseconds
+    of the first call (trace, ``ptxas``, load, launch), of tracing alone, and of the
+    second call; and how many builds the kernel then holds."""
+    g = torch.Generator(device=feats.device).manual_seed(seed)
+    rows = []
+    for m in sizes:
+        weights = torch.rand((m, k), generator=g, device=feats.device)
+        indices = torch.randint(
+            0, feats.shape[0], (m, k), generator=g, device=feats.device
+        )
+        shapes = dict(M=m, K=k, N=feats.shape[0], F=feats.shape[1])
+        start = time.perf_counter()
+        kernels.gather.ptx(**shapes)
+        trace_s = time.perf_counter() - start
+        first = _seconds(kernels.gather, weights, indices, feats)
+        second = _seconds(kernels.gather, weights, indices, feats)
+        rows.append(
+            {
+                "M": m,
+                "first call (ms)": first * 1e3,
+                "of which tracing (ms)": trace_s * 1e3,
+                "second call (ms)": second * 1e3,
+                "builds held": len(kernels.gather._cubin_handles),
+            }
+        )
+    return pd.DataFrame(rows).set_index("M")
+
+
+def bucket(m: int, *, smallest: int = 1024) -> int:
+    """The padded size for ``m`` rows: the next power of two, at least ``smallest``."""
+    size = smallest
+    while size < m:
+        size *= 2
+    return size
+
+
+def bucket_builds(sizes: list[int]) -> pd.DataFrame:
+    """How many builds a stream of clouds of the given sizes costs, shape by shape and
+    padded to :func:`bucket` sizes (counted, not run: no GPU needed)."""
+    exact, padded = set(), set()
+    rows = []
+    for m in sizes:
+        exact.add(m)
+        padded.add(bucket(m))
+        rows.append(
+            {
+                "M": m,
+                "padded to": bucket(m),
+                "builds, one per shape": len(exact),
+                "builds, one per bucket": len(padded),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def compile_directly(weights, indices, feats) -> pd.Series:
+    """What Dynamo makes of a function that calls pyptx's kernel object itself: the
+    number of graphs and graph breaks, and the first reason given for a break."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda w, i, f: kernels.gather(w, i, f))(
+        weights, indices, feats
+    )
+    reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    return pd.Series(
+        {
+            "graphs": explanation.graph_count,
+            "graph breaks": explanation.graph_break_count,
+            "first reason": reasons[0] if reasons else "(none)",
+        },
+        name="torch._dynamo.explain",
+    )
