@@ -108,6 +108,24 @@ def show_cpp(path, start: str) -> object:
     return Code(cpp_excerpt(path, start), language="cpp")
 
 
+def ptx_excerpt(text: str, start: str, end: str | None = None) -> str:
+    """The lines of PTX ``text`` from the first containing ``start`` up to (without)
+    the first after it containing ``end`` (to the end without one)."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if start in line)
+    last = len(lines)
+    if end is not None:
+        last = next(i for i in range(first + 1, len(lines)) if end in lines[i])
+    return "\n".join(lines[first:last])
+
+
+def show_ptx(text: str, start: str, end: str | None = None) -> object:
+    """:func:`ptx_excerpt`, rendered as a highlighted block."""
+    from IPython.display import Code
+
+    return Code(ptx_excerpt(text, start, end), language="ptx")
+
+
 def decorated(obj):
     """The Python function behind a decorated one: a torch.library custom operator
     keeps it as ``_init_fn`` (a ``triton_op``, inside the wrapper it keeps there), a

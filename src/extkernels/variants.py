@@ -183,6 +183,9 @@ VARIANTS: list[Variant] = [
     Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
     Variant("knn/floor", "knn", FLOOR, chapter=9),
     Variant("knn/floor+graphs", "knn", FLOOR, chapter=9, graphs=True),
+    Variant("knn/ptx", "knn", "ptx", chapter=10),
+    Variant("knn/ptx+compile", "knn", "ptx", compile=True, fullgraph=True, chapter=10),
+    Variant("knn/ptx+graphs", "knn", "ptx", chapter=10, graphs=True),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",

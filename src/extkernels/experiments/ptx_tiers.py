@@ -31,6 +31,7 @@ __all__ = [
     "call_costs",
     "kernel_times",
     "build_costs",
+    "compare",
     "bucket",
     "bucket_builds",
     "compile_directly",
@@ -143,6 +144,18 @@ def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
     table = pd.DataFrame(rows).T.sort_index(level=0, sort_remaining=False)
     table.index.names = ["piece", "written in"]
     return table
+
+
+def compare(table: pd.DataFrame, piece: str, a: str, b: str) -> str:
+    """How ``a`` compares with ``b`` in :func:`kernel_times`' ``table``, for prose:
+    ``"faster than"`` or ``"slower than"`` only when their 20th-80th percentile ranges
+    do not overlap, otherwise ``"as fast as"``."""
+    ra, rb = table.loc[(piece, a)], table.loc[(piece, b)]
+    if ra["p80"] < rb["p20"]:
+        return "faster than"
+    if ra["p20"] > rb["p80"]:
+        return "slower than"
+    return "as fast as"
 
 
 def _seconds(fn: Callable, *args) -> float:
