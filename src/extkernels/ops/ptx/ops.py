@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..capture import capturing
 from ..checks import check_same_device, values_checked
 from . import kernels
 
@@ -73,8 +74,8 @@ def check_neighbours(
     if rows.shape[0] != want:
         raise ValueError(f"{rows_name}: expected {want} rows, got {rows.shape[0]}")
     check_same_device(weights=weights, indices=indices, **{rows_name: rows})
-    if values is None:
-        values = values_checked(indices)
+    if values is None:  # never while a CUDA graph is captured: nothing may be read back
+        values = values_checked(indices) and not capturing()
     if values:
         lo, hi = indices.aminmax()
         lo, hi = int(lo), int(hi)  # the one synchronisation
