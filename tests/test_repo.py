@@ -223,6 +223,11 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
 
         cpp.prepare()  # its Python half (cpp.ops) exists once the library is loaded
         names.update(cpp=cpp, build=build)
+    if name.startswith("10_"):  # chapter 10 names the PTX backend's modules
+        from extkernels.ops.ptx import kernels as ptx_kernels
+        from extkernels.ops.ptx import ops as ptx_ops
+
+        names.update(kernels=ptx_kernels, ops=ptx_ops)
     obj = eval(expression, names)
     source = inspect.getsource(decorated(obj))
     assert source.rstrip() == stored.rstrip(), (
