@@ -37,6 +37,7 @@ __all__ = [
     "timings_frame",
     "summary",
     "verdict",
+    "ranked",
     "against_goals",
     "above_floor",
     "forward_peak_mb",
@@ -216,11 +217,21 @@ def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
     for prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated
     runs do not overlap, otherwise ``"within the run-to-run spread of"``."""
     lo, hi = f"{metric}_min", f"{metric}_max"
-    if df.loc[a, hi] < df.loc[b, lo]:
+    return ranked(
+        (df.loc[a, lo], df.loc[a, hi]),
+        (df.loc[b, lo], df.loc[b, hi]),
+        same="within the run-to-run spread of",
+    )
+
+
+def ranked(a: tuple[float, float], b: tuple[float, float], *, same: str) -> str:
+    """``"faster than"`` when time range ``a = (low, high)`` lies wholly below ``b``,
+    ``"slower than"`` when wholly above, otherwise ``same`` (the ranges overlap)."""
+    if a[1] < b[0]:
         return "faster than"
-    if df.loc[a, lo] > df.loc[b, hi]:
+    if a[0] > b[1]:
         return "slower than"
-    return "within the run-to-run spread of"
+    return same
 
 
 def against_goals(

@@ -11,6 +11,7 @@ and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -20,14 +21,14 @@ import torch
 from pyptx import torch_support
 from triton.testing import do_bench
 
+from ..graphs import CapturedStep
 from ..ops.checks import value_checks
 from ..ops.ptx import kernels
 from ..ops.triton import ops as triton_ops
-from ..timing import time_fn
+from ..timing import first_call_seconds, ranked, time_fn
 
 __all__ = [
     "pyptx_operator",
-    "graphed",
     "call_costs",
     "kernel_times",
     "build_costs",
@@ -43,22 +44,6 @@ def pyptx_operator(kernel) -> Callable:
     (``pyptx::kernel_<handle>``: a list of tensors in, a list out)."""
     _, key = kernel._last_cache_hit
     return torch_support._REGISTERED_OPS[kernel._cubin_handles[key]]
-
-
-def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
-    """``fn`` captured once in a CUDA graph (after warm-ups on a side stream): the
-    graph's ``replay`` and what ``fn`` returned while captured (the tensors each replay
-    writes)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph.replay, result
 
 
 def call_costs(
@@ -84,9 +69,9 @@ def call_costs(
     }
     rows = {}
     with value_checks(False):
-        ways["extkernels_ptx::gather, CUDA graph replay"] = graphed(
+        ways["extkernels_ptx::gather, CUDA graph replay"] = CapturedStep(
             lambda: ours(*args)
-        )[0]
+        )
         ways["for scale: torch.add"] = lambda: torch.add(feats, 1.0)
         for name, fn in ways.items():
             for _ in range(3):
@@ -156,19 +141,7 @@ def compare(table: pd.DataFrame, piece: str, a: str, b: str) -> str:
     ``"faster than"`` or ``"slower than"`` only when their 20th-80th percentile ranges
     do not overlap, otherwise ``"as fast as"``."""
     ra, rb = table.loc[(piece, a)], table.loc[(piece, b)]
-    if ra["p80"] < rb["p20"]:
-        return "faster than"
-    if ra["p20"] > rb["p80"]:
-        return "slower than"
-    return "as fast as"
-
-
-def _seconds(fn: Callable, *args) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(*args)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return ranked((ra["p20"], ra["p80"]), (rb["p20"], rb["p80"]), same="as fast as")
 
 
 def build_costs(feats, k: int, sizes: list[int], *, seed: int = 0) -> pd.DataFrame:
@@ -186,8 +159,9 @@ def build_costs(feats, k: int, sizes: list[int], *, seed: int = 0) -> pd.DataFra
         start = time.perf_counter()
         kernels.gather.ptx(**shapes)
         trace_s = time.perf_counter() - start
-        first = _seconds(kernels.gather, weights, indices, feats)
-        second = _seconds(kernels.gather, weights, indices, feats)
+        call = functools.partial(kernels.gather, weights, indices, feats)
+        first = first_call_seconds(call, feats.device)
+        second = first_call_seconds(call, feats.device)
         rows.append(
             {
                 "M": m,
