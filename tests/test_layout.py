@@ -20,6 +20,10 @@ LAZY = {
     ("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp",
     ("extkernels.ops.triton", "extkernels.ops.triton.ops"): "Triton is optional",
     ("extkernels.ops.cpp", "extkernels.ops.cpp.ops"): "importing builds the C++ code",
+    (
+        "extkernels.ops.fused",
+        "extkernels.ops.fused.ops",
+    ): "importing builds the C++ code",
 }
 
 

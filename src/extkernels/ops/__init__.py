@@ -10,10 +10,11 @@
   :mod:`~extkernels.ops.torch` (brute force, chapters 1-2), :mod:`~extkernels.ops.cuml`
   (chapter 3), :mod:`~extkernels.ops.warp` (chapters 5-7), :mod:`~extkernels.ops.triton`
   (chapter 8), :mod:`~extkernels.ops.cpp` (chapter 9), :mod:`~extkernels.ops.ptx`
-  (chapter 10). Importing a backend registers it.
+  (chapter 10), :mod:`~extkernels.ops.fused` (chapter 11). Importing a backend
+  registers it.
 """
 
-from . import cpp, cuml, ptx, torch, triton, warp  # noqa: F401  (importing registers)
+from . import cpp, cuml, fused, ptx, torch, triton, warp  # noqa: F401  (importing registers)
 from .dispatch import knn, knn_aggregate, radius_aggregate
 from .registry import backends
 

@@ -281,9 +281,11 @@ def check_radius_aggregate(
     sigma: object,
     *,
     values: bool | None = None,
+    feats_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> tuple[float, float]:
-    """The arguments of ``radius_aggregate``. Returns ``(radius, sigma)``."""
-    _clouds_and_feats(p_query, p_ref, feats)
+    """The arguments of ``radius_aggregate`` (``feats_dtypes``: for an operator that
+    takes more than float32 features). Returns ``(radius, sigma)``."""
+    _clouds_and_feats(p_query, p_ref, feats, feats_dtypes)
     radius = check_positive("radius", radius)
     sigma = check_positive("sigma", sigma)
     check_finite(values, p_query=p_query, p_ref=p_ref)

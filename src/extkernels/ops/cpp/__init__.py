@@ -15,7 +15,7 @@ import torch
 from ..checks import value_checks_on, values_checked
 from ..registry import Backend, register
 
-__all__ = ["BACKEND", "available", "prepare"]
+__all__ = ["BACKEND", "available", "call", "prepare"]
 
 
 @functools.cache
@@ -37,22 +37,23 @@ def prepare() -> bool:
     return True
 
 
-def _value_checks(enabled: bool):
-    """The C++ kernels' own switch, set for one call when the caller has just checked
-    the values (inside an entry point) and restored after it."""
-    return torch.ops.extkernels_cpp.set_value_checks(enabled)
+def call(op, *args, switch=None):
+    """``op(*args)`` for an operator whose C++ kernels check values themselves: inside
+    an entry point, which has just checked them, the kernels' own switch (``switch``,
+    by default this library's ``set_value_checks``) is off for the call."""
+    if torch.compiler.is_compiling() or values_checked() or not value_checks_on():
+        return op(*args)  # the kernels check the values if, and only if, they must
+    switch = switch or torch.ops.extkernels_cpp.set_value_checks
+    previous = switch(False)
+    try:
+        return op(*args)
+    finally:
+        switch(previous)
 
 
 def _call(name, *args):
     prepare()
-    op = getattr(torch.ops.extkernels_cpp, name)
-    if torch.compiler.is_compiling() or values_checked() or not value_checks_on():
-        return op(*args)  # the kernels check the values if, and only if, they must
-    previous = _value_checks(False)  # inside an entry point, which has checked them
-    try:
-        return op(*args)
-    finally:
-        _value_checks(previous)
+    return call(getattr(torch.ops.extkernels_cpp, name), *args)
 
 
 def _knn(p_query, p_ref, k):

@@ -15,6 +15,7 @@
 
 #include "checks.h"
 #include "grid.h"
+#include "grid_cuda.cuh"
 
 namespace extkernels {
 namespace {
@@ -34,26 +35,6 @@ bool capturing() {
 __global__ void grid_params_kernel(const float* lo, const float* hi, const float* sd,
                                    int64_t n, GridParams* out) {
   *out = make_grid(lo, hi, sd, n);
-}
-
-__global__ void count_kernel(const float* p, int64_t n, const GridParams* params,
-                             int32_t* keys, int32_t* counts) {
-  const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  const int32_t key = (int32_t)key_of(p + 3 * j, *params);
-  keys[j] = key;
-  atomicAdd(counts + key + 1, 1);
-}
-
-// Each point takes a slot of its cell by counting the cell's count down: no second
-// counter to zero.
-__global__ void scatter_kernel(const float* p, int64_t n, const int32_t* keys,
-                               const int32_t* start, int32_t* counts, Point4* ref) {
-  const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  const int32_t key = keys[j];
-  const int32_t at = start[key] + atomicSub(counts + key + 1, 1) - 1;
-  ref[at] = Point4{p[3 * j], p[3 * j + 1], p[3 * j + 2], (int32_t)j};
 }
 
 // One thread per query. With SOFTMAX the neighbours' softmax weights are written

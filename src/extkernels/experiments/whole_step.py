@@ -1,0 +1,276 @@
+"""The experiments of chapter 11: threads per query, the replay's kernels, the step
+through ``mode="reduce-overhead"``, shapes that change between calls, and lower
+precision.
+
+Each function runs on the device of its inputs; those that need CUDA graphs say so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.autograd import DeviceType
+
+from ..data import query_grid, reference_cloud
+from ..graphs import CapturedStep, captured_forward
+from ..models import KnnAggregation, Projector
+from ..ops import knn, knn_aggregate
+from ..ops.checks import value_checks
+from ..timing import time_fn
+
+__all__ = [
+    "lanes_table",
+    "replay_kernels",
+    "reduce_overhead_step",
+    "pad_cloud",
+    "changing_shapes",
+    "rounded_search",
+    "half_features",
+]
+
+
+def _device_ms(fn: Callable[[], object], n_iters: int, repeats: int = 5) -> tuple:
+    """Median, min and max over ``repeats`` blocks of ``n_iters`` calls, ms per call."""
+    times = sorted(time_fn(fn, n_iters) for _ in range(repeats))
+    return times[len(times) // 2], times[0], times[-1]
+
+
+def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200):
+    """The fused kNN aggregation (search, softmax, gather: one operator call) with each
+    number of threads per query, beside chapter 9's operator.
+
+    Returns:
+        DataFrame indexed by ``threads per query`` (``"chapter 9"`` for the C++
+        backend's operator): ``ms`` (median of blocks), ``min``, ``max``, and ``same
+        neighbours`` (distances equal to chapter 9's search, bit for bit).
+    """
+    reference = knn(p_query, p_ref, k, backend="cpp")[0]
+    rows = {}
+    with value_checks(False):
+        cpp = torch.ops.extkernels_cpp.knn_aggregate_fwd
+        ms = _device_ms(lambda: cpp(p_query, p_ref, feats, k, sigma), n_iters)
+        rows["chapter 9"] = (*ms, True)
+        op = torch.ops.extkernels_fused.knn_aggregate_fwd
+        for n in lanes:
+            ms = _device_ms(lambda n=n: op(p_query, p_ref, feats, k, sigma, n), n_iters)
+            got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, n)[0]
+            rows[str(n)] = (*ms, bool(torch.equal(got, reference)))
+    out = pd.DataFrame(rows, index=["ms", "min", "max", "same neighbours"]).T
+    return out.rename_axis("threads per query")
+
+
+def replay_kernels(fn: Callable[[], object], n_iters: int = 20, top: int = 10):
+    """The device kernels of ``fn`` (a replayed CUDA graph, say) under
+    ``torch.profiler``, per call: the ``top`` by time, then one row for the rest.
+
+    ``top_kernels`` (:mod:`~extkernels.profiling`) attributes device time to the
+    operators that launched it; a graph's replay launches no operator, so this table
+    lists the kernels themselves.
+
+    Returns:
+        DataFrame with ``kernel``, ``µs`` and ``share (%)`` of the summed kernel time,
+        and ``calls`` per call of ``fn``.
+    """
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n_iters):
+            fn()
+        torch.cuda.synchronize()
+    rows: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            name = e.name.split("(")[0].replace("void ", "").split("<")[0][-60:]
+            row = rows.setdefault(name, [0.0, 0.0])
+            row[0] += (e.time_range.end - e.time_range.start) / n_iters
+            row[1] += 1 / n_iters
+    df = pd.DataFrame(
+        [(k, v[0], v[1]) for k, v in rows.items()], columns=["kernel", "µs", "calls"]
+    ).sort_values("µs", ascending=False)
+    total = df["µs"].sum()
+    head, rest = df.head(top), df.iloc[top:]
+    if len(rest):
+        other = pd.DataFrame(
+            [(f"{len(rest)} other kernels", rest["µs"].sum(), rest["calls"].sum())],
+            columns=df.columns,
+        )
+        head = pd.concat([head, other])
+    head = head.assign(**{"share (%)": 100 * head["µs"] / total})
+    return head[["kernel", "µs", "share (%)", "calls"]].round(1).reset_index(drop=True)
+
+
+def reduce_overhead_step(model, params, p_query, p_ref, target, lr: float = 1e-3):
+    """A training step with the whole of its work compiled under
+    ``mode="reduce-overhead"``: the loss with the model (one compiled function, forward
+    and backward graphs), and Adam's update (a second one). Each call starts a new
+    step of inductor's CUDA graphs (``cudagraph_mark_step_begin``), so the previous
+    step's outputs may be overwritten.
+
+    Returns:
+        ``step()`` returning the loss (detached).
+    """
+    optimizer = torch.optim.Adam(list(params), lr=lr, capturable=True)
+
+    def loss_fn(p_query, p_ref, target):
+        return F.mse_loss(model(p_query, p_ref), target)
+
+    loss_fn = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
+    update = torch.compile(optimizer.step, mode="reduce-overhead")
+
+    def step() -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(p_query, p_ref, target)
+        loss.backward()
+        update()
+        return loss.detach()
+
+    return step
+
+
+def pad_cloud(p_ref: torch.Tensor, size: int, p_query: torch.Tensor) -> torch.Tensor:
+    """``p_ref`` followed by ``size - N`` copies of one point placed so far away that
+    no query can have it among its neighbours: beyond the box of both clouds by the
+    box's own extent, farther from every query than any real point."""
+    n = p_ref.shape[0]
+    if size < n:
+        raise ValueError(f"size: expected at least the cloud's {n} points, got {size}")
+    both = torch.cat([p_ref, p_query])
+    lo, hi = both.amin(0), both.amax(0)
+    far = (hi + (hi - lo) + 1.0).expand(size - n, 3)
+    return torch.cat([p_ref, far]).contiguous()
+
+
+def _projector(backend: str, k: int, sigma: float, hidden: int, device):
+    torch.manual_seed(0)
+    return Projector(KnnAggregation(k, sigma, backend), hidden).to(device)
+
+
+def changing_shapes(
+    sizes: list[int], bucket: int, *, grid_side: int, k: int, sigma: float, hidden: int
+) -> pd.DataFrame:
+    """The kNN projector's forward pass on clouds of each of ``sizes`` points, called in
+    turn, four ways: compiled (inductor decides when to recompile), compiled with
+    ``mark_dynamic`` on the cloud's length, one CUDA graph captured per size, and one
+    graph for a padded bucket of ``bucket`` points (every size padded to it with
+    :func:`pad_cloud`).
+
+    Returns:
+        DataFrame indexed by (strategy, points) with ``first call ms`` (compiling or
+        capturing included), ``ms per call`` after it, ``compiles`` (graphs inductor
+        compiled so far) and ``exact`` (output equal to the eager projector's on the
+        same cloud, to 1e-5).
+    """
+    device = torch.device("cuda")
+    p_query = query_grid(grid_side, device=device)
+    clouds = {n: reference_cloud(n, seed=n, device=device) for n in sizes}
+    model = _projector("fused", k, sigma, hidden, device)
+    with torch.no_grad():
+        expected = {n: model(p_query, c) for n, c in clouds.items()}
+    rows = {}
+
+    def record(strategy, n, fn, count=lambda: float("nan")):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        first_ms = 1e3 * (time.perf_counter() - start)
+        exact = torch.allclose(out[: p_query.shape[0]], expected[n], atol=1e-5)
+        rows[(strategy, n)] = {
+            "first call ms": first_ms,
+            "ms per call": time_fn(fn, 50),
+            "compiles": count(),
+            "exact": bool(exact),
+        }
+
+    counters = torch._dynamo.utils.counters
+    for strategy in ("compiled", "compiled, mark_dynamic"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True)
+
+        def forward(cloud, compiled=compiled):
+            with torch.no_grad():
+                return compiled(p_query, cloud)
+
+        for n, cloud in clouds.items():
+            if strategy.endswith("mark_dynamic"):
+                torch._dynamo.mark_dynamic(cloud, 0)
+            record(
+                strategy,
+                n,
+                lambda cloud=cloud: forward(cloud),
+                lambda: float(counters["stats"]["unique_graphs"]),
+            )
+    graphs: dict[int, CapturedStep] = {}
+    for n, cloud in clouds.items():
+
+        def replay(n=n, cloud=cloud):
+            if n not in graphs:
+                graphs[n] = captured_forward(model, p_query, cloud)
+            return graphs[n]()
+
+        record("one graph per size", n, replay, lambda: float(len(graphs)))
+    padded = pad_cloud(clouds[sizes[0]], bucket, p_query)
+    bucket_graph = captured_forward(model, p_query, padded)
+    for n, cloud in clouds.items():
+
+        def replay_bucket(cloud=cloud):
+            padded.copy_(pad_cloud(cloud, bucket, p_query))
+            return bucket_graph()
+
+        record(f"one graph, padded to {bucket:,}", n, replay_bucket, lambda: 1.0)
+    out = pd.DataFrame(rows).T
+    out.index.names = ["strategy", "points"]
+    return out
+
+
+def rounded_search(p_query, p_ref, k: int, dtypes) -> pd.DataFrame:
+    """The exact search on coordinates rounded to each of ``dtypes`` (and back to
+    float32, which the search kernels take): the share of queries whose k neighbours
+    are still the float32 search's, and the largest coordinate change.
+
+    Returns:
+        DataFrame indexed by dtype with ``same neighbours (%)`` and ``largest
+        rounding``.
+    """
+    _, expected = knn(p_query, p_ref, k, backend="fused")
+    rows = {}
+    for dtype in dtypes:
+        q, r = (t.to(dtype).float() for t in (p_query, p_ref))
+        _, got = knn(q, r, k, backend="fused")
+        same = (got.sort(1).values == expected.sort(1).values).all(1)
+        change = max((q - p_query).abs().max().item(), (r - p_ref).abs().max().item())
+        rows[str(dtype).removeprefix("torch.")] = {
+            "same neighbours (%)": 100 * same.float().mean().item(),
+            "largest rounding": change,
+        }
+    return pd.DataFrame(rows).T.rename_axis("coordinates")
+
+
+def half_features(p_query, p_ref, feats, k: int, sigma: float, n_iters: int = 100):
+    """The fused kNN aggregation with float32 and float16 features: largest relative
+    error of the float16 output against float32, and the time per call of each.
+
+    Returns:
+        DataFrame indexed by features dtype with ``ms`` and ``relative error``.
+    """
+    rows = {}
+    reference = knn_aggregate(p_query, p_ref, feats, k, sigma, backend="fused")
+    scale = reference.abs().max().item()
+    op = torch.ops.extkernels_fused.knn_aggregate_fwd
+    with value_checks(False):
+        for dtype in (torch.float32, torch.float16):
+            x = feats.to(dtype)
+            out = op(p_query, p_ref, x, k, sigma)[0]
+            rows[str(dtype).removeprefix("torch.")] = {
+                "ms": time_fn(lambda x=x: op(p_query, p_ref, x, k, sigma), n_iters),
+                "relative error": (out.float() - reference).abs().max().item() / scale,
+            }
+    return pd.DataFrame(rows).T.rename_axis("features")

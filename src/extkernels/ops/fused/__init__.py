@@ -1,0 +1,77 @@
+"""The ``fused`` backend (chapter 11): the fastest exact projectors of the book, in
+CUDA C++, for both workloads.
+
+- ``knn_aggregate``: chapter 9's grid, built with fewer kernels, searched by a group of
+  ``lanes`` threads per query (8 by default) that merge their lists with warp shuffles,
+  with the softmax and the gather in the search's kernel; the backward is chapter 9's
+  scatter.
+- ``radius_aggregate``: the same grid, walked over the cells that a query's ball
+  overlaps, one thread per (query, feature); the forward hands the grid to the backward
+  as outputs of the operator, so the backward does not build it again.
+
+On the CPU the kNN operators run chapter 9's kernels (the lanes are a GPU matter) and
+the radius operators the same walk in C++. The sources live in ``csrc/`` beside the
+C++ backend's headers, which they include; the library is built just in time like
+chapter 9's (:mod:`~.build`).
+"""
+
+import torch
+
+from .. import cpp
+from ..registry import Backend, register
+from .build import LANES
+
+__all__ = ["BACKEND", "LANES", "available", "prepare"]
+
+
+@torch.compiler.assume_constant_result
+def prepare() -> bool:
+    """Build (or find in the cache) and load the operators, once per process. Run
+    eagerly even while ``torch.compile`` traces a caller."""
+    from . import ops  # noqa: F401  (builds, loads and registers)
+
+    return True
+
+
+def available() -> bool:
+    """Chapter 9's requirements: a C++ compiler and ninja (and ``nvcc`` for CUDA)."""
+    return cpp.available()
+
+
+def _call(name, *args):
+    prepare()
+    return cpp.call(
+        getattr(torch.ops.extkernels_fused, name),
+        *args,
+        switch=torch.ops.extkernels_fused.set_value_checks,
+    )
+
+
+def _knn(p_query, p_ref, k, *, lanes: int = 8):
+    return _call("knn", p_query, p_ref, k, lanes)
+
+
+def _knn_aggregate(p_query, p_ref, feats, k, sigma, *, lanes: int = 8):
+    return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes)[0]
+
+
+def _radius_aggregate(p_query, p_ref, feats, radius, sigma):
+    return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma)[0]
+
+
+BACKEND = register(
+    Backend(
+        "fused",
+        available=available,
+        knn=_knn,
+        knn_aggregate=_knn_aggregate,
+        radius_aggregate=_radius_aggregate,
+        operators={
+            "knn": "extkernels_fused::knn",
+            "knn_aggregate": "extkernels_fused::knn_aggregate_fwd",
+            "radius_aggregate": "extkernels_fused::radius_aggregate_fwd",
+        },
+        chapter=11,
+        prepare=prepare,
+    )
+)

@@ -1,0 +1,42 @@
+"""Building the fused backend just in time (chapter 11), the way chapter 9 builds the
+C++ backend: ``torch.utils.cpp_extension.load`` compiles ``csrc/`` into PyTorch's
+extension cache, for this GPU only. Chapter 9's library is loaded first: the fused CPU
+kernels reach its kernels through the dispatcher, and its build has chosen the GPU
+architecture."""
+
+import functools
+from pathlib import Path
+
+from ..cpp import build as cpp_build
+
+__all__ = ["CSRC", "LANES", "sources", "load"]
+
+CSRC = Path(__file__).parent / "csrc"
+
+#: Threads per query the kNN kernels are built for (``lanes``).
+LANES = (1, 4, 8, 16, 32)
+
+
+def sources(cuda: bool) -> list[Path]:
+    """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
+    files = [CSRC / "fused.cpp"]
+    return files + [CSRC / "fused_cuda.cu"] if cuda else files
+
+
+@functools.cache
+def load(verbose: bool = False) -> None:
+    """Compile (or find in the cache) and load the library, once per process."""
+    from torch.utils import cpp_extension
+
+    cpp_build.load()
+    cuda = cpp_build.arch_list() is not None
+    cpp_extension.load(
+        name="extkernels_fused_cuda" if cuda else "extkernels_fused",
+        sources=[str(p) for p in sources(cuda)],
+        extra_include_paths=[str(cpp_build.CSRC)],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-lineinfo"],
+        with_cuda=cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )

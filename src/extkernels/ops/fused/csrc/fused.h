@@ -1,0 +1,75 @@
+// What the fused backend's CPU and CUDA kernels share (chapter 11): the grid handed from
+// the radius forward to its backward, and the checks of the arguments that the C++
+// backend's checks.h does not cover.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "checks.h"
+#include "grid.h"
+
+namespace extkernels {
+
+static_assert(sizeof(GridParams) == 32, "the fakes in ops.py assume 32 bytes");
+
+// The grid as operator outputs: (n, 4) sorted points, (cell_capacity(n) + 1,) int32
+// cell starts, GridParams as (32,) uint8.
+struct SavedGrid {
+  at::Tensor ref, start, params;
+};
+
+// radius_aggregate_fwd: the output, each query's total weight, and the grid.
+using RadiusOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+inline void check_lanes(int64_t lanes) {
+  TORCH_CHECK_VALUE(lanes == 1 || lanes == 4 || lanes == 8 || lanes == 16 || lanes == 32,
+                    msg("lanes: expected 1, 4, 8, 16 or 32 threads per query, got ",
+                        lanes));
+}
+
+inline void check_radius_args(const at::Tensor& p_query, const at::Tensor& p_ref,
+                              const at::Tensor& feats, double radius, double sigma) {
+  check_clouds(p_query, p_ref);
+  check_feats(feats, p_ref);
+  TORCH_CHECK_VALUE(std::isfinite(radius) && radius > 0,
+                    msg("radius: expected a finite value > 0, got ", radius));
+  check_sigma(sigma);
+}
+
+// The backward's inputs are the forward's outputs: their metadata only.
+inline void check_radius_backward(const at::Tensor& grad_out, const at::Tensor& p_query,
+                                  const at::Tensor& totals, const at::Tensor& grid_ref,
+                                  const at::Tensor& grid_start,
+                                  const at::Tensor& grid_params) {
+  check_cloud(p_query, "p_query");
+  check_feats_dtype(grad_out, "grad_out");
+  const int64_t m = p_query.size(0), n = grid_ref.size(0);
+  TORCH_CHECK_VALUE(grad_out.dim() == 2 && grad_out.size(0) == m && grad_out.is_contiguous(),
+                    msg("grad_out: expected a contiguous (M, F) tensor with M = ", m,
+                        ", got ", grad_out.sizes()));
+  TORCH_CHECK_VALUE(totals.scalar_type() == at::kFloat && totals.dim() == 1 &&
+                        totals.size(0) == m && totals.is_contiguous(),
+                    msg("totals: expected a contiguous (M,) float32 tensor with M = ", m,
+                        ", got ", totals.sizes()));
+  TORCH_CHECK_VALUE(grid_ref.scalar_type() == at::kFloat && grid_ref.dim() == 2 &&
+                        grid_ref.size(1) == 4 && n >= 1 && grid_ref.is_contiguous(),
+                    msg("grid_ref: expected a contiguous (n, 4) float32 tensor, got ",
+                        grid_ref.sizes()));
+  TORCH_CHECK_VALUE(grid_start.scalar_type() == at::kInt && grid_start.dim() == 1 &&
+                        grid_start.size(0) == cell_capacity(n) + 1,
+                    msg("grid_start: expected (", cell_capacity(n) + 1,
+                        ",) int32 cell starts, got ", grid_start.sizes()));
+  TORCH_CHECK_VALUE(grid_params.scalar_type() == at::kByte &&
+                        grid_params.numel() == (int64_t)sizeof(GridParams),
+                    msg("grid_params: expected ", (int64_t)sizeof(GridParams),
+                        " bytes, got ", grid_params.numel()));
+  check_same_device(p_query, "p_query", grad_out, "grad_out");
+  check_same_device(p_query, "p_query", totals, "totals");
+  check_same_device(p_query, "p_query", grid_ref, "grid_ref");
+  check_same_device(p_query, "p_query", grid_start, "grid_start");
+  check_same_device(p_query, "p_query", grid_params, "grid_params");
+}
+
+}  // namespace extkernels

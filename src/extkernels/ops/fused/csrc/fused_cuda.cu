@@ -1,0 +1,503 @@
+// The fused backend's CUDA kernels (chapter 11).
+//
+// - The grid: the box and the spread of the cloud in one pass of partial sums (no
+//   separate min/max and standard-deviation reductions), then chapter 9's counting sort.
+// - kNN: a group of `lanes` threads per query. The lanes walk the same rings and split
+//   each run of points between them, each keeping its own top k; after each ring the
+//   group merges its lists with warp shuffles to learn the k-th best so far, which both
+//   prunes the lanes' pushes and decides, exactly as before, when to stop. The softmax
+//   and the gather follow in the same kernel. 27,000 queries with one thread each fill
+//   a sixth of an H200's warp slots; eight lanes fill them.
+// - Radius: one thread per (query, feature) walks the cells of the box query +- radius.
+//   The forward returns the grid and each query's total weight, so the backward scatters
+//   without building the grid again; the grid's sort is made deterministic, so that the
+//   outputs are the same on every call.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "fused.h"
+#include "grid.h"
+#include "grid_cuda.cuh"
+#include "radius.h"
+
+namespace extkernels {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kMomentBlocks = 64;  // partial sums of the box and spread
+
+int blocks_for(int64_t n, int threads = kThreads) {
+  return (int)((n + threads - 1) / threads);
+}
+
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+         c10::cuda::CaptureStatus::None;
+}
+
+struct Moments {
+  float lo[3], hi[3];
+  double sum[3], sum2[3];
+};
+
+// Each block reduces a stride of the cloud to one Moments; the same threads zero the
+// cell counts of the counting sort.
+__global__ void __launch_bounds__(256)
+    moments_kernel(const float* p, int64_t n, Moments* partial, int32_t* counts,
+                   int64_t n_counts) {
+  __shared__ Moments shared[256];
+  Moments m;
+  for (int a = 0; a < 3; ++a) {
+    m.lo[a] = INFINITY;
+    m.hi[a] = -INFINITY;
+    m.sum[a] = 0.0;
+    m.sum2[a] = 0.0;
+  }
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t first = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  for (int64_t c = first; c < n_counts; c += stride) counts[c] = 0;
+  for (int64_t j = first; j < n; j += stride) {
+    for (int a = 0; a < 3; ++a) {
+      const float x = p[3 * j + a];
+      m.lo[a] = fminf(m.lo[a], x);
+      m.hi[a] = fmaxf(m.hi[a], x);
+      m.sum[a] += x;
+      m.sum2[a] += (double)x * x;
+    }
+  }
+  shared[threadIdx.x] = m;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      Moments& mine = shared[threadIdx.x];
+      const Moments& other = shared[threadIdx.x + half];
+      for (int a = 0; a < 3; ++a) {
+        mine.lo[a] = fminf(mine.lo[a], other.lo[a]);
+        mine.hi[a] = fmaxf(mine.hi[a], other.hi[a]);
+        mine.sum[a] += other.sum[a];
+        mine.sum2[a] += other.sum2[a];
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = shared[0];
+}
+
+__global__ void params_kernel(const Moments* partial, int blocks, int64_t n,
+                              GridParams* out) {
+  float lo[3], hi[3], sd[3];
+  for (int a = 0; a < 3; ++a) {
+    double s = 0.0, s2 = 0.0;
+    lo[a] = INFINITY;
+    hi[a] = -INFINITY;
+    for (int b = 0; b < blocks; ++b) {
+      lo[a] = fminf(lo[a], partial[b].lo[a]);
+      hi[a] = fmaxf(hi[a], partial[b].hi[a]);
+      s += partial[b].sum[a];
+      s2 += partial[b].sum2[a];
+    }
+    const double mean = s / (double)n;
+    const double var = s2 / (double)n - mean * mean;
+    sd[a] = (float)sqrt(var > 0.0 ? var : 0.0);
+  }
+  *out = make_grid(lo, hi, sd, n);
+}
+
+// Makes the counting sort deterministic: the atomics of scatter_kernel leave the points
+// of a cell in any order; each point's rank among its cell's points by row puts it in
+// the same place on every call.
+__global__ void settle_kernel(const Point4* unordered, int64_t n, const int32_t* keys,
+                              const int32_t* start, Point4* ref) {
+  const int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (s >= n) return;
+  const Point4 p = unordered[s];
+  const int32_t key = keys[p.index];
+  const int32_t begin = start[key], end = start[key + 1];
+  int32_t rank = 0;
+  for (int32_t t = begin; t < end; ++t) rank += unordered[t].index < p.index;
+  ref[begin + rank] = p;
+}
+
+SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic) {
+  const int64_t n = p_ref.size(0);
+  const int64_t capacity = cell_capacity(n);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  auto bytes = p_ref.options().dtype(at::kByte);
+  auto ints = p_ref.options().dtype(at::kInt);
+  const int blocks = (int)std::min<int64_t>(kMomentBlocks, blocks_for(n, 256));
+  at::Tensor partial = at::empty({(int64_t)(blocks * sizeof(Moments))}, bytes);
+  at::Tensor counts = at::empty({capacity + 1}, ints);
+  auto* moments = reinterpret_cast<Moments*>(partial.data_ptr<uint8_t>());
+  moments_kernel<<<blocks, 256, 0, stream>>>(p_ref.data_ptr<float>(), n, moments,
+                                             counts.data_ptr<int32_t>(), capacity + 1);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  SavedGrid d;
+  d.params = at::empty({(int64_t)sizeof(GridParams)}, bytes);
+  auto* params = reinterpret_cast<GridParams*>(d.params.data_ptr<uint8_t>());
+  params_kernel<<<1, 1, 0, stream>>>(moments, blocks, n, params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor keys = at::empty({n}, ints);
+  count_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+      p_ref.data_ptr<float>(), n, params, keys.data_ptr<int32_t>(),
+      counts.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  d.start = at::cumsum(counts, 0, at::kInt);
+  d.ref = at::empty({n, 4}, p_ref.options());
+  at::Tensor unordered = deterministic ? at::empty({n, 4}, p_ref.options()) : d.ref;
+  scatter_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+      p_ref.data_ptr<float>(), n, keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
+      counts.data_ptr<int32_t>(), reinterpret_cast<Point4*>(unordered.data_ptr<float>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (deterministic) {
+    settle_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+        reinterpret_cast<const Point4*>(unordered.data_ptr<float>()), n,
+        keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
+        reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return d;
+}
+
+// ---- kNN: a group of LANES threads per query -------------------------------------
+
+template <int LANES>
+__device__ __forceinline__ unsigned group_mask() {
+  if (LANES == 32) return 0xffffffffu;
+  const unsigned lane = threadIdx.x & 31u;
+  return ((1u << LANES) - 1u) << (lane & ~(unsigned)(LANES - 1));
+}
+
+// The smallest head of the group's sorted lists; the lowest lane holding it pops it.
+// Returns the popped distance in every lane, and with INDEX its row in `index`.
+template <int KMAX, int LANES, bool INDEX>
+__device__ __forceinline__ float pop_smallest(float (&d)[KMAX], int32_t (&i)[KMAX],
+                                              unsigned mask, int32_t& index) {
+  float smallest = d[0];
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o /= 2) {
+    smallest = fminf(smallest, __shfl_xor_sync(mask, smallest, o, LANES));
+  }
+  const unsigned holders = __ballot_sync(mask, d[0] == smallest);
+  const int winner = holders ? __ffs(holders) - 1 : 0;
+  if (INDEX) index = __shfl_sync(mask, i[0], winner, LANES);
+  if ((int)(threadIdx.x & 31u) == winner && holders) {
+#pragma unroll
+    for (int s = 0; s < KMAX - 1; ++s) {
+      d[s] = d[s + 1];
+      i[s] = i[s + 1];
+    }
+    d[KMAX - 1] = INFINITY;
+    i[KMAX - 1] = -1;
+  }
+  return smallest;
+}
+
+// The k-th best distance among the group's lists (infinity until k are kept).
+template <int KMAX, int LANES>
+__device__ __forceinline__ float group_kth(const TopK<KMAX>& best, unsigned mask) {
+  float d[KMAX];
+  int32_t i[KMAX], unused = 0;
+#pragma unroll
+  for (int s = 0; s < KMAX; ++s) {
+    d[s] = best.d[s];
+    i[s] = best.i[s];
+  }
+  float kth = INFINITY;
+#pragma unroll
+  for (int t = 0; t < KMAX; ++t) {
+    if (t < best.k) kth = pop_smallest<KMAX, LANES, false>(d, i, mask, unused);
+  }
+  return kth;
+}
+
+// Writes distances (SOFTMAX false) or softmax weights, and indices; with feats given
+// (float32), the gather's output too.
+template <int KMAX, int LANES, bool SOFTMAX>
+__global__ void __launch_bounds__(kThreads)
+    knn_lanes_kernel(const float* q, int64_t m, const Point4* ref, const int32_t* start,
+                     const GridParams* params, int k, float inv_sigma, const float* feats,
+                     int64_t f, float* out, float* values, int64_t* idx) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  const int64_t row = t / LANES;
+  const int lane = (int)(t % LANES);
+  if (row >= m) return;  // a group's lanes share their row: they leave together
+  const unsigned mask = group_mask<LANES>();
+  const GridParams g = *params;
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  TopK<KMAX> best;
+  best.init(k);
+  const Rings R = rings_of(qp, g);
+  float kth = INFINITY;
+  for (int64_t r = R.first; r <= R.last; ++r) {
+    for_ring(R, r, g, start, [&](int32_t begin, int32_t end) {
+      for (int32_t j = begin + lane; j < end; j += LANES) {
+        const Point4 p = load_point(ref, j);
+        const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+        const float d2 = dx * dx + dy * dy + dz * dz;
+        if (d2 < kth) best.push(d2, p.index);  // not better than the group's k-th: out
+      }
+    });
+    if constexpr (LANES == 1) {
+      kth = best.worst();
+    } else {
+      kth = group_kth<KMAX, LANES>(best, mask);
+    }
+    // The same stopping rule as ring_search (grid.h), on the group's k-th best.
+    const float bound = ((float)r * g.h + R.inside) * (1.0f - 1e-5f);
+    if (kth <= bound * bound) break;
+  }
+  float d[KMAX], md[KMAX];
+  int32_t i[KMAX], mi[KMAX];
+#pragma unroll
+  for (int s = 0; s < KMAX; ++s) {
+    d[s] = best.d[s];
+    i[s] = best.i[s];
+    md[s] = INFINITY;
+    mi[s] = -1;
+  }
+  if constexpr (LANES == 1) {  // one list, already sorted
+#pragma unroll
+    for (int s = 0; s < KMAX; ++s) {
+      md[s] = d[s];
+      mi[s] = i[s];
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < KMAX; ++s) {
+      if (s < k) md[s] = pop_smallest<KMAX, LANES, true>(d, i, mask, mi[s]);
+    }
+  }
+  const float nearest = sqrtf(md[0]);
+  float total = 0.0f;
+#pragma unroll
+  for (int s = 0; s < KMAX; ++s) {
+    if (s < k) {
+      const float dist = sqrtf(md[s]);
+      md[s] = SOFTMAX ? __expf((nearest - dist) * inv_sigma) : dist;
+      total += md[s];
+    }
+  }
+  const float scale = SOFTMAX ? 1.0f / total : 1.0f;
+#pragma unroll
+  for (int s = 0; s < KMAX; ++s) {
+    md[s] *= scale;
+    if (s < k && s % LANES == lane) {
+      values[row * k + s] = md[s];
+      idx[row * k + s] = mi[s];
+    }
+  }
+  if (feats == nullptr) return;
+  for (int64_t c = lane; c < f; c += LANES) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int s = 0; s < KMAX; ++s) {
+      if (s < k && mi[s] >= 0) acc += md[s] * __ldg(feats + (int64_t)mi[s] * f + c);
+    }
+    out[row * f + c] = acc;
+  }
+}
+
+template <int KMAX, bool SOFTMAX>
+void launch_lanes(int64_t lanes, int64_t m, cudaStream_t stream, const float* q,
+                  const Point4* ref, const int32_t* start, const GridParams* params,
+                  int k, float inv_sigma, const float* feats, int64_t f, float* out,
+                  float* values, int64_t* idx) {
+  // Lists of more than 16 neighbours stay with one thread per query: merging them
+  // across lanes would cost more registers than it saves.
+  if (KMAX > 16) lanes = 1;
+  const int blocks = blocks_for(m * lanes);
+#define EK_LANES_CASE(L)                                                              \
+  case L:                                                                             \
+    knn_lanes_kernel<KMAX, L, SOFTMAX><<<blocks, kThreads, 0, stream>>>(              \
+        q, m, ref, start, params, k, inv_sigma, feats, f, out, values, idx);          \
+    break;
+  if constexpr (KMAX > 16) {
+    switch (lanes) { EK_LANES_CASE(1) }
+  } else {
+    switch (lanes) {
+      EK_LANES_CASE(1)
+      EK_LANES_CASE(4)
+      EK_LANES_CASE(8)
+      EK_LANES_CASE(16)
+      EK_LANES_CASE(32)
+      default:
+        TORCH_CHECK_VALUE(false, msg("lanes: unsupported value ", lanes));
+    }
+  }
+#undef EK_LANES_CASE
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+            float inv_sigma, int64_t lanes, const at::Tensor* feats, at::Tensor* out,
+            at::Tensor& values, at::Tensor& indices) {
+  const SavedGrid d = build_grid(p_ref, /*deterministic=*/false);
+  const int64_t m = p_query.size(0);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto* ref = reinterpret_cast<const Point4*>(d.ref.data_ptr<float>());
+  const auto* params = reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>());
+  const float* x = feats ? feats->data_ptr<float>() : nullptr;
+  float* o = out ? out->data_ptr<float>() : nullptr;
+  const int64_t f = feats ? feats->size(1) : 0;
+  EK_DISPATCH_KMAX(k, {
+    auto launch = inv_sigma > 0.0f ? launch_lanes<KMAX, true> : launch_lanes<KMAX, false>;
+    launch(lanes, m, stream, p_query.data_ptr<float>(), ref, d.start.data_ptr<int32_t>(),
+           params, (int)k, inv_sigma, x, f, o, values.data_ptr<float>(),
+           indices.data_ptr<int64_t>());
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> knn_cuda(const at::Tensor& p_query,
+                                            const at::Tensor& p_ref, int64_t k,
+                                            int64_t lanes) {
+  check_clouds(p_query, p_ref);
+  check_k(k, p_ref.size(0));
+  check_lanes(lanes);
+  const c10::cuda::CUDAGuard guard(p_query.device());
+  check_finite(p_query, p_ref, capturing());
+  const int64_t m = p_query.size(0);
+  at::Tensor distances = at::empty({m, k}, p_query.options());
+  at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
+  search(p_query, p_ref, k, 0.0f, lanes, nullptr, nullptr, distances, indices);
+  return {distances, indices};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> knn_aggregate_fwd_cuda(
+    const at::Tensor& p_query, const at::Tensor& p_ref, const at::Tensor& feats,
+    int64_t k, double sigma, int64_t lanes) {
+  check_clouds(p_query, p_ref);
+  check_feats(feats, p_ref);
+  check_k(k, p_ref.size(0));
+  check_sigma(sigma);
+  check_lanes(lanes);
+  const c10::cuda::CUDAGuard guard(p_query.device());
+  check_finite(p_query, p_ref, capturing());
+  const int64_t m = p_query.size(0);
+  at::Tensor weights = at::empty({m, k}, p_query.options());
+  at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
+  if (feats.scalar_type() == at::kFloat) {  // the gather in the search's kernel
+    at::Tensor out = at::empty({m, feats.size(1)}, feats.options());
+    search(p_query, p_ref, k, (float)(1.0 / sigma), lanes, &feats, &out, weights,
+           indices);
+    return {out, weights, indices};
+  }
+  search(p_query, p_ref, k, (float)(1.0 / sigma), lanes, nullptr, nullptr, weights,
+         indices);
+  static auto gather = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("extkernels_cpp::gather", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&, bool)>();
+  at::Tensor out = gather.redispatch(c10::DispatchKeySet(c10::DispatchKey::CUDA), weights,
+                                     indices, feats, false);
+  return {out, weights, indices};
+}
+
+// ---- radius: one thread per (query, feature) --------------------------------------
+
+template <typename scalar_t>
+__global__ void radius_fwd_kernel(const float* q, int64_t m, const Point4* ref,
+                                  const int32_t* start, const GridParams* params,
+                                  float radius, float inv_sigma, const scalar_t* feats,
+                                  int64_t f, scalar_t* out, float* totals) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (t >= m * f) return;
+  const int64_t row = t / f, c = t % f;
+  const GridParams g = *params;
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  float total = 0.0f;
+  acc_t acc = 0;
+  for_neighbours(qp, ref, start, g, radius, inv_sigma, [&](int32_t j, float w) {
+    total += w;
+    acc += (acc_t)w * (acc_t)feats[(int64_t)j * f + c];
+  });
+  out[t] = (scalar_t)(total > 0.0f ? acc / (acc_t)total : acc_t(0));
+  if (c == 0) totals[row] = total;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int64_t m,
+                                  const float* totals, const Point4* ref,
+                                  const int32_t* start, const GridParams* params,
+                                  float radius, float inv_sigma, int64_t f, acc_t* grad) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (t >= m * f) return;
+  const int64_t row = t / f, c = t % f;
+  const float total = totals[row];
+  if (!(total > 0.0f)) return;
+  const acc_t g_scaled = (acc_t)grad_out[t] / (acc_t)total;
+  const GridParams g = *params;
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  for_neighbours(qp, ref, start, g, radius, inv_sigma, [&](int32_t j, float w) {
+    atomicAdd(grad + (int64_t)j * f + c, (acc_t)w * g_scaled);
+  });
+}
+
+RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor& p_ref,
+                                    const at::Tensor& feats, double radius,
+                                    double sigma) {
+  check_radius_args(p_query, p_ref, feats, radius, sigma);
+  const c10::cuda::CUDAGuard guard(p_query.device());
+  check_finite(p_query, p_ref, capturing());
+  const SavedGrid d = build_grid(p_ref, /*deterministic=*/true);
+  const int64_t m = p_query.size(0), f = feats.size(1);
+  at::Tensor out = at::empty({m, f}, feats.options());
+  at::Tensor totals = at::empty({m}, p_query.options());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND_HALF(feats.scalar_type(), "radius_fwd_cuda", [&] {
+    radius_fwd_kernel<scalar_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
+        p_query.data_ptr<float>(), m, reinterpret_cast<const Point4*>(d.ref.data_ptr<float>()),
+        d.start.data_ptr<int32_t>(),
+        reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>()), (float)radius,
+        (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f, out.data_ptr<scalar_t>(),
+        totals.data_ptr<float>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, totals, d.ref, d.start, d.params};
+}
+
+at::Tensor radius_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& p_query,
+                                     const at::Tensor& totals, const at::Tensor& grid_ref,
+                                     const at::Tensor& grid_start,
+                                     const at::Tensor& grid_params, double radius,
+                                     double sigma) {
+  check_radius_backward(grad_out, p_query, totals, grid_ref, grid_start, grid_params);
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  const int64_t m = p_query.size(0), f = grad_out.size(1), n = grid_ref.size(0);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor grad;
+  AT_DISPATCH_FLOATING_TYPES_AND_HALF(grad_out.scalar_type(), "radius_bwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor acc = at::zeros(
+        {n, f}, grad_out.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    radius_bwd_kernel<scalar_t, acc_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
+        grad_out.data_ptr<scalar_t>(), p_query.data_ptr<float>(), m,
+        totals.data_ptr<float>(), reinterpret_cast<const Point4*>(grid_ref.data_ptr<float>()),
+        grid_start.data_ptr<int32_t>(),
+        reinterpret_cast<const GridParams*>(grid_params.data_ptr<uint8_t>()),
+        (float)radius, (float)(1.0 / sigma), f, acc.data_ptr<acc_t>());
+    grad = acc.scalar_type() == grad_out.scalar_type() ? acc
+                                                        : acc.to(grad_out.scalar_type());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(extkernels_fused, CUDA, m) {
+  m.impl("knn", &knn_cuda);
+  m.impl("knn_aggregate_fwd", &knn_aggregate_fwd_cuda);
+  m.impl("radius_aggregate_fwd", &radius_aggregate_fwd_cuda);
+  m.impl("radius_aggregate_bwd", &radius_aggregate_bwd_cuda);
+}
+
+}  // namespace extkernels

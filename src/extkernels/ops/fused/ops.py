@@ -1,0 +1,125 @@
+"""The fused operators' Python half (chapter 11): the library is built and loaded, then
+the fakes and the autograd formulas are registered on operators whose schemas and
+kernels live in C++ (``csrc/``).
+
+The kNN aggregation's backward is chapter 9's scatter
+(``extkernels_cpp::knn_aggregate_bwd``). The radius aggregation's forward returns,
+beside its output, each query's total weight and the grid it built (sorted points,
+cell starts and the grid's parameters as bytes); they are saved for the backward, which
+walks the same grid without building it again.
+"""
+
+import torch
+
+from .. import checks
+from ..checks import check_knn, check_radius_aggregate
+from ..cpp import ops as cpp_ops
+from . import build
+from .build import LANES
+
+__all__ = ["GRID_PARAMS_BYTES", "cell_capacity"]
+
+build.load()
+
+#: Bytes of the grid's parameters (``GridParams`` in the C++ backend's ``grid.h``).
+GRID_PARAMS_BYTES = 32
+
+_ops = torch.ops.extkernels_fused
+checks.on_value_checks(_ops.set_value_checks)
+
+
+def cell_capacity(n: int) -> int:
+    """Cells of the grid's workspace for a cloud of ``n`` points (``grid.h``)."""
+    return max(8 * n, 1)
+
+
+def _check_lanes(lanes: int) -> int:
+    if lanes not in LANES:
+        raise ValueError(
+            f"lanes: expected 1, 4, 8, 16 or 32 threads per query, got {lanes}"
+        )
+    return lanes
+
+
+@torch.library.register_fake("extkernels_fused::knn")
+def _knn_fake(p_query, p_ref, k, lanes=8):
+    k = cpp_ops._check_max_k(check_knn(p_query, p_ref, k, values=False))
+    _check_lanes(lanes)
+    m = p_query.shape[0]
+    return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
+@torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")
+def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma, lanes=8):
+    _check_lanes(lanes)
+    return cpp_ops._knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
+
+
+def _knn_setup_context(ctx, inputs, output):
+    _, p_ref, _, _, _, _ = inputs
+    _, weights, indices = output
+    ctx.save_for_backward(weights, indices)
+    ctx.n_ref = p_ref.shape[0]
+
+
+def _knn_backward(ctx, grad_out, _grad_weights, _grad_indices):
+    grad_feats = cpp_ops._backward(ctx, grad_out, _grad_weights, _grad_indices)[2]
+    return None, None, grad_feats, None, None, None
+
+
+torch.library.register_autograd(
+    "extkernels_fused::knn_aggregate_fwd",
+    _knn_backward,
+    setup_context=_knn_setup_context,
+)
+
+
+@torch.library.register_fake("extkernels_fused::radius_aggregate_fwd")
+def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma):
+    check_radius_aggregate(
+        p_query,
+        p_ref,
+        feats,
+        radius,
+        sigma,
+        values=False,
+        feats_dtypes=cpp_ops.FEATS_DTYPES,
+    )
+    m, n = p_query.shape[0], p_ref.shape[0]
+    return (
+        feats.new_empty((m, feats.shape[1])),
+        p_query.new_empty((m,)),
+        p_ref.new_empty((n, 4)),
+        p_ref.new_empty((cell_capacity(n) + 1,), dtype=torch.int32),
+        p_ref.new_empty((GRID_PARAMS_BYTES,), dtype=torch.uint8),
+    )
+
+
+@torch.library.register_fake("extkernels_fused::radius_aggregate_bwd")
+def _radius_aggregate_bwd_fake(
+    grad_out, p_query, totals, grid_ref, grid_start, grid_params, radius, sigma
+):
+    return grad_out.new_empty((grid_ref.shape[0], grad_out.shape[1]))
+
+
+def _radius_setup_context(ctx, inputs, output):
+    p_query, _, _, radius, sigma = inputs
+    _, totals, grid_ref, grid_start, grid_params = output
+    ctx.save_for_backward(p_query, totals, grid_ref, grid_start, grid_params)
+    ctx.radius, ctx.sigma = radius, sigma
+
+
+def _radius_backward(ctx, grad_out, *_grad_saved):
+    grad_feats = None
+    if ctx.needs_input_grad[2]:
+        grad_feats = _ops.radius_aggregate_bwd(
+            grad_out.contiguous(), *ctx.saved_tensors, ctx.radius, ctx.sigma
+        )
+    return None, None, grad_feats, None, None
+
+
+torch.library.register_autograd(
+    "extkernels_fused::radius_aggregate_fwd",
+    _radius_backward,
+    setup_context=_radius_setup_context,
+)
