@@ -24,6 +24,7 @@ from ..timing import time_fn
 
 __all__ = [
     "lanes_table",
+    "radius_kernels",
     "replay_kernels",
     "reduce_overhead_step",
     "pad_cloud",
@@ -61,6 +62,43 @@ def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200)
             rows[str(n)] = (*ms, bool(torch.equal(got, reference)))
     out = pd.DataFrame(rows, index=["ms", "min", "max", "same neighbours"]).T
     return out.rename_axis("threads per query")
+
+
+def radius_kernels(p_query, p_ref, feats, radius: float, sigma: float, n_iters=200):
+    """The fused radius aggregation's forward and backward with each of its CUDA kernels
+    (a warp per query, and one thread per (query, feature)), one operator call each.
+
+    Returns:
+        DataFrame indexed by kernel with ``forward ms`` and ``backward ms`` (medians of
+        blocks of calls), and ``same output`` (forward outputs of the two equal to
+        1e-5).
+    """
+    op = torch.ops.extkernels_fused.radius_aggregate_fwd
+    bwd = torch.ops.extkernels_fused.radius_aggregate_bwd
+    grad = torch.randn(p_query.shape[0], feats.shape[1], device=feats.device)
+    rows, outs = {}, {}
+    with value_checks(False):
+        for label, warp in (
+            ("a warp per query", True),
+            ("a thread per feature", False),
+        ):
+            out, *saved = op(p_query, p_ref, feats, radius, sigma, warp)
+            outs[label] = out
+
+            def backward(saved=saved, warp=warp):
+                return bwd(grad, p_query, *saved, radius, sigma, warp)
+
+            forward = _device_ms(
+                lambda w=warp: op(p_query, p_ref, feats, radius, sigma, w), n_iters
+            )
+            rows[label] = {
+                "forward ms": forward[0],
+                "backward ms": _device_ms(backward, n_iters)[0],
+            }
+    out = pd.DataFrame(rows).T
+    a, b = outs.values()
+    out["same output"] = bool(torch.allclose(a, b, atol=1e-5))
+    return out.rename_axis("kernel")
 
 
 def replay_kernels(fn: Callable[[], object], n_iters: int = 20, top: int = 10):

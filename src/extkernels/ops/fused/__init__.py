@@ -6,8 +6,9 @@ CUDA C++, for both workloads.
   with the softmax and the gather in the search's kernel; the backward is chapter 9's
   scatter.
 - ``radius_aggregate``: the same grid, walked over the cells that a query's ball
-  overlaps, one thread per (query, feature); the forward hands the grid to the backward
-  as outputs of the operator, so the backward does not build it again.
+  overlaps by one warp per query (``warp=False``: one thread per (query, feature)); the
+  forward hands the grid to the backward as outputs of the operator, so the backward
+  does not build it again.
 
 On the CPU the kNN operators run chapter 9's kernels (the lanes are a GPU matter) and
 the radius operators the same walk in C++. The sources live in ``csrc/`` beside the
@@ -55,8 +56,8 @@ def _knn_aggregate(p_query, p_ref, feats, k, sigma, *, lanes: int = 8):
     return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes)[0]
 
 
-def _radius_aggregate(p_query, p_ref, feats, radius, sigma):
-    return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma)[0]
+def _radius_aggregate(p_query, p_ref, feats, radius, sigma, *, warp: bool = True):
+    return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp)[0]
 
 
 BACKEND = register(

@@ -75,7 +75,7 @@ torch.library.register_autograd(
 
 
 @torch.library.register_fake("extkernels_fused::radius_aggregate_fwd")
-def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma):
+def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma, warp=True):
     check_radius_aggregate(
         p_query,
         p_ref,
@@ -97,25 +97,33 @@ def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma):
 
 @torch.library.register_fake("extkernels_fused::radius_aggregate_bwd")
 def _radius_aggregate_bwd_fake(
-    grad_out, p_query, totals, grid_ref, grid_start, grid_params, radius, sigma
+    grad_out,
+    p_query,
+    totals,
+    grid_ref,
+    grid_start,
+    grid_params,
+    radius,
+    sigma,
+    warp=True,
 ):
     return grad_out.new_empty((grid_ref.shape[0], grad_out.shape[1]))
 
 
 def _radius_setup_context(ctx, inputs, output):
-    p_query, _, _, radius, sigma = inputs
+    p_query, _, _, radius, sigma, warp = inputs
     _, totals, grid_ref, grid_start, grid_params = output
     ctx.save_for_backward(p_query, totals, grid_ref, grid_start, grid_params)
-    ctx.radius, ctx.sigma = radius, sigma
+    ctx.radius, ctx.sigma, ctx.warp = radius, sigma, warp
 
 
 def _radius_backward(ctx, grad_out, *_grad_saved):
     grad_feats = None
     if ctx.needs_input_grad[2]:
         grad_feats = _ops.radius_aggregate_bwd(
-            grad_out.contiguous(), *ctx.saved_tensors, ctx.radius, ctx.sigma
+            grad_out.contiguous(), *ctx.saved_tensors, ctx.radius, ctx.sigma, ctx.warp
         )
-    return None, None, grad_feats, None, None
+    return None, None, grad_feats, None, None, None
 
 
 torch.library.register_autograd(

@@ -70,9 +70,10 @@ SavedGrid build_saved_grid_cpu(const at::Tensor& p_ref) {
   return d;
 }
 
+// `warp` chooses a CUDA kernel; the CPU has one walk.
 RadiusOut radius_aggregate_fwd_cpu(const at::Tensor& p_query, const at::Tensor& p_ref,
-                                   const at::Tensor& feats, double radius,
-                                   double sigma) {
+                                   const at::Tensor& feats, double radius, double sigma,
+                                   bool /*warp*/) {
   check_radius_args(p_query, p_ref, feats, radius, sigma);
   check_finite(p_query, p_ref, /*capturing=*/false);
   const SavedGrid d = build_saved_grid_cpu(p_ref);
@@ -115,7 +116,7 @@ at::Tensor radius_aggregate_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
                                     const at::Tensor& totals, const at::Tensor& grid_ref,
                                     const at::Tensor& grid_start,
                                     const at::Tensor& grid_params, double radius,
-                                    double sigma) {
+                                    double sigma, bool /*warp*/) {
   check_radius_backward(grad_out, p_query, totals, grid_ref, grid_start, grid_params);
   GridParams g;
   std::memcpy(&g, grid_params.data_ptr<uint8_t>(), sizeof(GridParams));
@@ -156,11 +157,11 @@ TORCH_LIBRARY(extkernels_fused, m) {
       " int lanes=8) -> (Tensor, Tensor, Tensor)");
   m.def(
       "radius_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, float radius,"
-      " float sigma) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      " float sigma, bool warp=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "radius_aggregate_bwd(Tensor grad_out, Tensor p_query, Tensor totals,"
       " Tensor grid_ref, Tensor grid_start, Tensor grid_params, float radius,"
-      " float sigma) -> Tensor");
+      " float sigma, bool warp=True) -> Tensor");
   m.def("set_value_checks(bool enabled) -> bool", &set_value_checks);
 }
 

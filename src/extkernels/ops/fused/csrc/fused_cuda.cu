@@ -8,7 +8,8 @@
 //   prunes the lanes' pushes and decides, exactly as before, when to stop. The softmax
 //   and the gather follow in the same kernel. 27,000 queries with one thread each fill
 //   a sixth of an H200's warp slots; eight lanes fill them.
-// - Radius: one thread per (query, feature) walks the cells of the box query +- radius.
+// - Radius: a warp per query (or one thread per (query, feature)) walks the cells of the
+//   box query +- radius.
 //   The forward returns the grid and each query's total weight, so the backward scatters
 //   without building the grid again; the grid's sort is made deterministic, so that the
 //   outputs are the same on every call.
@@ -441,9 +442,146 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
   });
 }
 
+// The same sums with one warp per query: the lanes test 32 points of a run at a time,
+// and for every point within the radius (found by a ballot, taken in turn) they add its
+// weighted features, lane c taking features c, c + 32, ... (FPL of them). Every lane
+// adds the same weights, so every lane holds the query's total.
+template <typename scalar_t, int FPL>
+__global__ void __launch_bounds__(kThreads)
+    radius_warp_fwd_kernel(const float* q, int64_t m, const Point4* ref,
+                           const int32_t* start, const GridParams* params, float radius,
+                           float inv_sigma, const scalar_t* feats, int64_t f,
+                           scalar_t* out, float* totals) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+  const int lane = (int)(threadIdx.x & 31u);
+  if (row >= m) return;  // the whole warp: one row
+  const GridParams g = *params;
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  acc_t acc[FPL];
+#pragma unroll
+  for (int t = 0; t < FPL; ++t) acc[t] = 0;
+  float total = 0.0f;
+  Box b;
+  if (box_of(qp, radius, g, b)) {
+    for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
+      for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
+        const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+        const int32_t end = start[column + b.hi[2] + 1];
+        for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
+          const int32_t j = j0 + lane;
+          float w = 0.0f;
+          int32_t index = 0;
+          bool inside = false;
+          if (j < end) {
+            const Point4 p = load_point(ref, j);
+            const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+            const float d = sqrtf(dx * dx + dy * dy + dz * dz);
+            inside = d <= radius;
+            w = inside ? expf(-d * inv_sigma) : 0.0f;
+            index = p.index;
+          }
+          for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
+               found &= found - 1) {
+            const int src = __ffs(found) - 1;
+            const float wj = __shfl_sync(0xffffffffu, w, src);
+            const int64_t rj = __shfl_sync(0xffffffffu, index, src);
+            total += wj;
+#pragma unroll
+            for (int t = 0; t < FPL; ++t) {
+              const int64_t c = lane + 32 * t;
+              if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < FPL; ++t) {
+    const int64_t c = lane + 32 * t;
+    if (c < f) out[row * f + c] = (scalar_t)(total > 0.0f ? acc[t] / (acc_t)total : acc_t(0));
+  }
+  if (lane == 0) totals[row] = total;
+}
+
+// Its adjoint, one warp per query: the same walk, an atomic addition per (neighbour,
+// feature), the lanes of a warp adding to one row of consecutive features.
+template <typename scalar_t, typename acc_t, int FPL>
+__global__ void __launch_bounds__(kThreads)
+    radius_warp_bwd_kernel(const scalar_t* grad_out, const float* q, int64_t m,
+                           const float* totals, const Point4* ref, const int32_t* start,
+                           const GridParams* params, float radius, float inv_sigma,
+                           int64_t f, acc_t* grad) {
+  const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+  const int lane = (int)(threadIdx.x & 31u);
+  if (row >= m) return;
+  const float total = totals[row];
+  if (!(total > 0.0f)) return;  // the whole warp: no neighbour
+  acc_t go[FPL];
+#pragma unroll
+  for (int t = 0; t < FPL; ++t) {
+    const int64_t c = lane + 32 * t;
+    go[t] = c < f ? (acc_t)grad_out[row * f + c] / (acc_t)total : acc_t(0);
+  }
+  const GridParams g = *params;
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  Box b;
+  if (!box_of(qp, radius, g, b)) return;
+  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
+    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
+      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+      const int32_t end = start[column + b.hi[2] + 1];
+      for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
+        const int32_t j = j0 + lane;
+        float w = 0.0f;
+        int32_t index = 0;
+        bool inside = false;
+        if (j < end) {
+          const Point4 p = load_point(ref, j);
+          const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+          const float d = sqrtf(dx * dx + dy * dy + dz * dz);
+          inside = d <= radius;
+          w = inside ? expf(-d * inv_sigma) : 0.0f;
+          index = p.index;
+        }
+        for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
+             found &= found - 1) {
+          const int src = __ffs(found) - 1;
+          const float wj = __shfl_sync(0xffffffffu, w, src);
+          const int64_t rj = __shfl_sync(0xffffffffu, index, src);
+#pragma unroll
+          for (int t = 0; t < FPL; ++t) {
+            const int64_t c = lane + 32 * t;
+            if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Features per lane of the warp kernels: F up to 128 (4 per lane); wider rows take the
+// kernels of one thread per (query, feature).
+constexpr int kMaxWarpFeatures = 128;
+
+#define EK_DISPATCH_FPL(f, ...)             \
+  [&] {                                     \
+    if ((f) <= 32) {                        \
+      constexpr int FPL = 1;                \
+      __VA_ARGS__                           \
+    } else if ((f) <= 64) {                 \
+      constexpr int FPL = 2;                \
+      __VA_ARGS__                           \
+    } else {                                \
+      constexpr int FPL = 4;                \
+      __VA_ARGS__                           \
+    }                                       \
+  }()
+
 RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor& p_ref,
-                                    const at::Tensor& feats, double radius,
-                                    double sigma) {
+                                    const at::Tensor& feats, double radius, double sigma,
+                                    bool warp) {
   check_radius_args(p_query, p_ref, feats, radius, sigma);
   const c10::cuda::CUDAGuard guard(p_query.device());
   check_finite(p_query, p_ref, capturing());
@@ -452,7 +590,18 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
   at::Tensor out = at::empty({m, f}, feats.options());
   at::Tensor totals = at::empty({m}, p_query.options());
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto* ref = reinterpret_cast<const Point4*>(d.ref.data_ptr<float>());
+  const auto* params = reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>());
   AT_DISPATCH_FLOATING_TYPES_AND_HALF(feats.scalar_type(), "radius_fwd_cuda", [&] {
+    if (warp && f <= kMaxWarpFeatures) {
+      EK_DISPATCH_FPL(f, {
+        radius_warp_fwd_kernel<scalar_t, FPL><<<blocks_for(m * 32), kThreads, 0, stream>>>(
+            p_query.data_ptr<float>(), m, ref, d.start.data_ptr<int32_t>(), params,
+            (float)radius, (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f,
+            out.data_ptr<scalar_t>(), totals.data_ptr<float>());
+      });
+      return;
+    }
     radius_fwd_kernel<scalar_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
         p_query.data_ptr<float>(), m, reinterpret_cast<const Point4*>(d.ref.data_ptr<float>()),
         d.start.data_ptr<int32_t>(),
@@ -468,7 +617,7 @@ at::Tensor radius_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
                                      const at::Tensor& totals, const at::Tensor& grid_ref,
                                      const at::Tensor& grid_start,
                                      const at::Tensor& grid_params, double radius,
-                                     double sigma) {
+                                     double sigma, bool warp) {
   check_radius_backward(grad_out, p_query, totals, grid_ref, grid_start, grid_params);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t m = p_query.size(0), f = grad_out.size(1), n = grid_ref.size(0);
@@ -478,12 +627,24 @@ at::Tensor radius_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor acc = at::zeros(
         {n, f}, grad_out.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    const auto* ref = reinterpret_cast<const Point4*>(grid_ref.data_ptr<float>());
+    const auto* params = reinterpret_cast<const GridParams*>(grid_params.data_ptr<uint8_t>());
+    if (warp && f <= kMaxWarpFeatures) {
+      EK_DISPATCH_FPL(f, {
+        radius_warp_bwd_kernel<scalar_t, acc_t, FPL>
+            <<<blocks_for(m * 32), kThreads, 0, stream>>>(
+                grad_out.data_ptr<scalar_t>(), p_query.data_ptr<float>(), m,
+                totals.data_ptr<float>(), ref, grid_start.data_ptr<int32_t>(), params,
+                (float)radius, (float)(1.0 / sigma), f, acc.data_ptr<acc_t>());
+      });
+    } else {
     radius_bwd_kernel<scalar_t, acc_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
         grad_out.data_ptr<scalar_t>(), p_query.data_ptr<float>(), m,
         totals.data_ptr<float>(), reinterpret_cast<const Point4*>(grid_ref.data_ptr<float>()),
         grid_start.data_ptr<int32_t>(),
         reinterpret_cast<const GridParams*>(grid_params.data_ptr<uint8_t>()),
         (float)radius, (float)(1.0 / sigma), f, acc.data_ptr<acc_t>());
+    }
     grad = acc.scalar_type() == grad_out.scalar_type() ? acc
                                                         : acc.to(grad_out.scalar_type());
   });
