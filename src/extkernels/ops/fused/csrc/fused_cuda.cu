@@ -7,7 +7,7 @@
 //   group merges its lists with warp shuffles to learn the k-th best so far, which both
 //   prunes the lanes' pushes and decides, exactly as before, when to stop. The softmax
 //   and the gather follow in the same kernel. 27,000 queries with one thread each fill
-//   a sixth of an H200's warp slots; eight lanes fill them.
+//   a tenth of an H200's warp slots; eight lanes fill most of them.
 // - Radius: a warp per query (or one thread per (query, feature)) walks the cells of the
 //   box query +- radius.
 //   The forward returns the grid and each query's total weight, so the backward scatters
