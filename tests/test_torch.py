@@ -89,3 +89,21 @@ def test_radius_weights_do_not_underflow_when_neighbours_are_many_sigmas_away():
         1.0 + torch.exp(torch.tensor(5.0)).item()
     )  # exp(-(1.2 - 1.15) / 0.01)
     torch.testing.assert_close(out, torch.tensor([[1.0 * w_far + 2.0 * (1 - w_far)]]))
+
+
+def test_turning_value_checks_off_does_not_recompile_a_compiled_projector():
+    # A CUDA graph's capture runs with the value checks off: a compiled model that
+    # guarded on the switch would recompile inside the capture, which fails.
+    from extkernels.ops.checks import value_checks
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = extkernels.Projector(extkernels.KnnAggregation(3, 0.1, "torch"), 8)
+    compiled = torch.compile(model, fullgraph=True)
+    p_query, p_ref = extkernels.query_grid(3), extkernels.reference_cloud(50, seed=0)
+    with torch.no_grad():
+        compiled(p_query, p_ref)
+        with value_checks(False):
+            compiled(p_query, p_ref)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -197,6 +197,15 @@ VARIANTS: list[Variant] = [
         mode="reduce-overhead",
     ),
     Variant("knn/fused+graphs", "knn", "fused", chapter=11, graphs=True),
+    Variant(
+        "knn/fused+compile+graphs",
+        "knn",
+        "fused",
+        compile=True,
+        fullgraph=True,
+        chapter=11,
+        graphs=True,
+    ),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",
@@ -259,6 +268,15 @@ VARIANTS: list[Variant] = [
         mode="reduce-overhead",
     ),
     Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
+    Variant(
+        "radius/fused+compile+graphs",
+        "radius",
+        "fused",
+        compile=True,
+        fullgraph=True,
+        chapter=11,
+        graphs=True,
+    ),
     Variant("radius/floor", "radius", FLOOR, chapter=11),
     Variant("radius/floor+graphs", "radius", FLOOR, chapter=11, graphs=True),
 ]

@@ -99,7 +99,10 @@ def values_checked(t: torch.Tensor | None = None) -> bool:
     """True where value checks run: in eager mode, on real tensors, with the checks on,
     and not inside :func:`call_checked` (whose caller has checked the values
     already)."""
-    if not _enabled["values"] or torch.compiler.is_compiling():
+    # is_compiling() first: while tracing, the switch is then never read, so a compiled
+    # function does not guard on it (turning the checks off, as a CUDA graph's capture
+    # does, must not recompile it).
+    if torch.compiler.is_compiling() or not _enabled["values"]:
         return False
     if getattr(_local, "depth", 0):
         return False
