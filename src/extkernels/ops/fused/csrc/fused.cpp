@@ -23,14 +23,7 @@
 
 namespace extkernels {
 
-std::atomic<bool>& value_checks_flag() {
-  static std::atomic<bool> flag{true};
-  return flag;
-}
-
 namespace {
-
-bool set_value_checks(bool enabled) { return value_checks_flag().exchange(enabled); }
 
 using KnnOut = std::tuple<at::Tensor, at::Tensor>;
 using AggregateOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
