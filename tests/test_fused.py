@@ -1,6 +1,7 @@
 """The fused backend's own choices (chapter 11), beyond the conformance suite: every
 number of threads per query finds chapter 9's neighbours, both radius kernels agree, and
-a bad ``lanes`` is refused by the operator and by its fake."""
+a bad ``lanes`` is refused by the operator and by its fake, and the schemas' default
+``lanes`` is the package's."""
 
 import pytest
 import torch
@@ -28,6 +29,14 @@ def test_a_bad_lanes_is_refused_by_the_operator_and_its_fake(lanes):
         torch.ops.extkernels_fused.knn(
             mode.from_tensor(p_query), mode.from_tensor(p_ref), 3, lanes
         )
+
+
+@pytest.mark.parametrize("name", ["knn", "knn_aggregate_fwd"])
+def test_the_schemas_default_lanes_is_the_packages(name):
+    fused.prepare()
+    schema = getattr(torch.ops.extkernels_fused, name).default._schema
+    (lanes,) = [a for a in schema.arguments if a.name == "lanes"]
+    assert lanes.default_value == fused.DEFAULT_LANES
 
 
 @pytest.mark.gpu

@@ -45,6 +45,19 @@ def test_time_fn_measures_milliseconds_per_call():
     assert 4.5 <= ms < 100
 
 
+def test_time_blocks_gives_the_median_block_between_the_fastest_and_slowest():
+    import time
+
+    calls = []
+
+    def fn():  # every call sleeps longer than the last: later blocks are slower
+        calls.append(None)
+        time.sleep(0.0005 * len(calls))
+
+    median, fastest, slowest = timing.time_blocks(fn, 3, repeats=3)
+    assert fastest < median < slowest
+
+
 def _rows():
     nan = math.nan
     return [

@@ -31,6 +31,7 @@ __all__ = [
     "Timing",
     "make_train_step",
     "time_fn",
+    "time_blocks",
     "time_projector",
     "first_call_seconds",
     "peak_memory_mb",
@@ -69,6 +70,15 @@ def time_fn(fn: Callable[[], object], n_iters: int) -> float:
         stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
     )
     return timer.timeit(n_iters).mean * 1e3
+
+
+def time_blocks(
+    fn: Callable[[], object], n_iters: int, repeats: int = 5
+) -> tuple[float, float, float]:
+    """Milliseconds per call of ``fn`` over ``repeats`` blocks of ``n_iters`` calls
+    (:func:`time_fn` each): the median block, the fastest and the slowest."""
+    times = sorted(time_fn(fn, n_iters) for _ in range(repeats))
+    return times[len(times) // 2], times[0], times[-1]
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:

@@ -12,7 +12,6 @@ and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from collections.abc import Callable
 
@@ -25,7 +24,7 @@ from ..graphs import CapturedStep
 from ..ops.checks import value_checks
 from ..ops.ptx import kernels
 from ..ops.triton import ops as triton_ops
-from ..timing import first_call_seconds, ranked, time_fn
+from ..timing import first_call_seconds, ranked, time_blocks
 
 __all__ = [
     "pyptx_operator",
@@ -76,11 +75,11 @@ def call_costs(
         for name, fn in ways.items():
             for _ in range(3):
                 fn()
-            blocks = [time_fn(fn, n_iters) * 1e3 for _ in range(repeats)]
+            median, fastest, slowest = time_blocks(fn, n_iters, repeats)
             rows[name] = {
-                "µs per call": statistics.median(blocks),
-                "min": min(blocks),
-                "max": max(blocks),
+                "µs per call": median * 1e3,
+                "min": fastest * 1e3,
+                "max": slowest * 1e3,
             }
     p20, p50, p80 = do_bench(lambda: kernels.gather(*args), quantiles=[0.2, 0.5, 0.8])
     rows["the kernel alone (do_bench: device time, L2 emptied first)"] = {

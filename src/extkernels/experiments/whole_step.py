@@ -20,7 +20,7 @@ from ..graphs import CapturedStep, captured_forward
 from ..models import KnnAggregation, Projector
 from ..ops import knn, knn_aggregate
 from ..ops.checks import value_checks
-from ..timing import time_fn
+from ..timing import time_blocks, time_fn
 
 __all__ = [
     "lanes_table",
@@ -32,12 +32,6 @@ __all__ = [
     "rounded_search",
     "half_features",
 ]
-
-
-def _device_ms(fn: Callable[[], object], n_iters: int, repeats: int = 5) -> tuple:
-    """Median, min and max over ``repeats`` blocks of ``n_iters`` calls, ms per call."""
-    times = sorted(time_fn(fn, n_iters) for _ in range(repeats))
-    return times[len(times) // 2], times[0], times[-1]
 
 
 def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200):
@@ -53,11 +47,13 @@ def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200)
     rows = {}
     with value_checks(False):
         cpp = torch.ops.extkernels_cpp.knn_aggregate_fwd
-        ms = _device_ms(lambda: cpp(p_query, p_ref, feats, k, sigma), n_iters)
+        ms = time_blocks(lambda: cpp(p_query, p_ref, feats, k, sigma), n_iters)
         rows["chapter 9"] = (*ms, True)
         op = torch.ops.extkernels_fused.knn_aggregate_fwd
         for n in lanes:
-            ms = _device_ms(lambda n=n: op(p_query, p_ref, feats, k, sigma, n), n_iters)
+            ms = time_blocks(
+                lambda n=n: op(p_query, p_ref, feats, k, sigma, n), n_iters
+            )
             got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, n)[0]
             rows[str(n)] = (*ms, bool(torch.equal(got, reference)))
     out = pd.DataFrame(rows, index=["ms", "min", "max", "same neighbours"]).T
@@ -88,12 +84,12 @@ def radius_kernels(p_query, p_ref, feats, radius: float, sigma: float, n_iters=2
             def backward(saved=saved, warp=warp):
                 return bwd(grad, p_query, *saved, radius, sigma, warp)
 
-            forward = _device_ms(
+            forward = time_blocks(
                 lambda w=warp: op(p_query, p_ref, feats, radius, sigma, w), n_iters
             )
             rows[label] = {
                 "forward ms": forward[0],
-                "backward ms": _device_ms(backward, n_iters)[0],
+                "backward ms": time_blocks(backward, n_iters)[0],
             }
     out = pd.DataFrame(rows).T
     a, b = outs.values()

@@ -2,7 +2,7 @@
 CUDA C++, for both workloads.
 
 - ``knn_aggregate``: chapter 9's grid, built with fewer kernels, searched by a group of
-  ``lanes`` threads per query (8 by default) that merge their lists with warp shuffles,
+  ``lanes`` threads per query (4 by default) that merge their lists with warp shuffles,
   with the softmax and the gather in the search's kernel; the backward is chapter 9's
   scatter.
 - ``radius_aggregate``: the same grid, walked over the cells that a query's ball
@@ -20,9 +20,9 @@ import torch
 
 from .. import cpp
 from ..registry import Backend, register
-from .build import LANES
+from .build import DEFAULT_LANES, LANES
 
-__all__ = ["BACKEND", "LANES", "available", "prepare"]
+__all__ = ["BACKEND", "DEFAULT_LANES", "LANES", "available", "prepare"]
 
 
 @torch.compiler.assume_constant_result
@@ -48,11 +48,11 @@ def _call(name, *args):
     )
 
 
-def _knn(p_query, p_ref, k, *, lanes: int = 8):
+def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES):
     return _call("knn", p_query, p_ref, k, lanes)
 
 
-def _knn_aggregate(p_query, p_ref, feats, k, sigma, *, lanes: int = 8):
+def _knn_aggregate(p_query, p_ref, feats, k, sigma, *, lanes: int = DEFAULT_LANES):
     return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes)[0]
 
 

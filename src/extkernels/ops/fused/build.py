@@ -9,12 +9,16 @@ from pathlib import Path
 
 from ..cpp import build as cpp_build
 
-__all__ = ["CSRC", "LANES", "sources", "load"]
+__all__ = ["CSRC", "DEFAULT_LANES", "LANES", "sources", "load"]
 
 CSRC = Path(__file__).parent / "csrc"
 
 #: Threads per query the kNN kernels are built for (``lanes``).
 LANES = (1, 4, 8, 16, 32)
+
+#: The default, the fastest at the book's sizes on the H200 (chapter 11); the schemas in
+#: ``csrc/fused.cpp`` hold the same number.
+DEFAULT_LANES = 4
 
 
 def sources(cuda: bool) -> list[Path]:

@@ -15,7 +15,7 @@ from .. import checks
 from ..checks import check_knn, check_radius_aggregate
 from ..cpp import ops as cpp_ops
 from . import build
-from .build import LANES
+from .build import DEFAULT_LANES, LANES
 
 __all__ = ["GRID_PARAMS_BYTES", "cell_capacity"]
 
@@ -42,7 +42,7 @@ def _check_lanes(lanes: int) -> int:
 
 
 @torch.library.register_fake("extkernels_fused::knn")
-def _knn_fake(p_query, p_ref, k, lanes=8):
+def _knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES):
     k = cpp_ops._check_max_k(check_knn(p_query, p_ref, k, values=False))
     _check_lanes(lanes)
     m = p_query.shape[0]
@@ -50,7 +50,7 @@ def _knn_fake(p_query, p_ref, k, lanes=8):
 
 
 @torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")
-def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma, lanes=8):
+def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma, lanes=DEFAULT_LANES):
     _check_lanes(lanes)
     return cpp_ops._knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
 

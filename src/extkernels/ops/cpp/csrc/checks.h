@@ -54,8 +54,15 @@ std::string msg(const Pieces&... pieces) {
 }
 
 // Whether the operators check that coordinates are finite (a device synchronisation on
-// a GPU). Python's value_checks switch sets it (operator set_value_checks).
-std::atomic<bool>& value_checks_flag();
+// a GPU). Python's value_checks switch sets it through the operator set_value_checks
+// that each library including this header registers (the C++ and fused backends).
+inline std::atomic<bool>& value_checks_flag() {
+  static std::atomic<bool> flag{true};
+  return flag;
+}
+
+// The operator set_value_checks: switches the checks, returns the previous setting.
+inline bool set_value_checks(bool enabled) { return value_checks_flag().exchange(enabled); }
 
 inline void check_cloud(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, msg(name,

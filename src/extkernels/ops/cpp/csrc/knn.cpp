@@ -16,14 +16,7 @@
 
 namespace extkernels {
 
-std::atomic<bool>& value_checks_flag() {
-  static std::atomic<bool> flag{true};
-  return flag;
-}
-
 namespace {
-
-bool set_value_checks(bool enabled) { return value_checks_flag().exchange(enabled); }
 
 void search_cpu(const at::Tensor& p_query, const Sorted& s, int64_t k, float inv_sigma,
                 at::Tensor& out, at::Tensor& indices) {

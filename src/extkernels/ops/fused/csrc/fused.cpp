@@ -23,14 +23,7 @@
 
 namespace extkernels {
 
-std::atomic<bool>& value_checks_flag() {
-  static std::atomic<bool> flag{true};
-  return flag;
-}
-
 namespace {
-
-bool set_value_checks(bool enabled) { return value_checks_flag().exchange(enabled); }
 
 using KnnOut = std::tuple<at::Tensor, at::Tensor>;
 using AggregateOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -151,10 +144,10 @@ at::Tensor radius_aggregate_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(extkernels_fused, m) {
-  m.def("knn(Tensor p_query, Tensor p_ref, int k, int lanes=8) -> (Tensor, Tensor)");
+  m.def("knn(Tensor p_query, Tensor p_ref, int k, int lanes=4) -> (Tensor, Tensor)");
   m.def(
       "knn_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, int k, float sigma,"
-      " int lanes=8) -> (Tensor, Tensor, Tensor)");
+      " int lanes=4) -> (Tensor, Tensor, Tensor)");
   m.def(
       "radius_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, float radius,"
       " float sigma, bool warp=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

@@ -171,9 +171,12 @@ SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic) {
 
 template <int LANES>
 __device__ __forceinline__ unsigned group_mask() {
-  if (LANES == 32) return 0xffffffffu;
-  const unsigned lane = threadIdx.x & 31u;
-  return ((1u << LANES) - 1u) << (lane & ~(unsigned)(LANES - 1));
+  if constexpr (LANES == 32) {
+    return 0xffffffffu;
+  } else {
+    const unsigned lane = threadIdx.x & 31u;
+    return ((1u << LANES) - 1u) << (lane & ~(unsigned)(LANES - 1));
+  }
 }
 
 // The smallest head of the group's sorted lists; the lowest lane holding it pops it.
@@ -442,10 +445,47 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
   });
 }
 
-// The same sums with one warp per query: the lanes test 32 points of a run at a time,
-// and for every point within the radius (found by a ballot, taken in turn) they add its
-// weighted features, lane c taking features c, c + 32, ... (FPL of them). Every lane
-// adds the same weights, so every lane holds the query's total.
+// The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
+// at a time, and every point within the radius (found by a ballot, taken in turn) is
+// handed to all 32 lanes at once, as visit(row, weight).
+template <typename Visit>
+__device__ void for_neighbours_warp(const float* qp, const Point4* ref,
+                                    const int32_t* start, const GridParams& g,
+                                    float radius, float inv_sigma, int lane,
+                                    Visit&& visit) {
+  Box b;
+  if (!box_of(qp, radius, g, b)) return;  // the same for the whole warp
+  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
+    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
+      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+      const int32_t end = start[column + b.hi[2] + 1];
+      for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
+        const int32_t j = j0 + lane;
+        float w = 0.0f;
+        int32_t index = 0;
+        bool inside = false;
+        if (j < end) {
+          const Point4 p = load_point(ref, j);
+          const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+          const float d = sqrtf(dx * dx + dy * dy + dz * dz);
+          inside = d <= radius;
+          w = inside ? expf(-d * inv_sigma) : 0.0f;
+          index = p.index;
+        }
+        for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
+             found &= found - 1) {
+          const int src = __ffs(found) - 1;
+          visit((int64_t)__shfl_sync(0xffffffffu, index, src),
+                __shfl_sync(0xffffffffu, w, src));
+        }
+      }
+    }
+  }
+}
+
+// The forward with one warp per query: lane c adds the weighted features c, c + 32, ...
+// (FPL of them) of every neighbour. Every lane adds the same weights, so every lane
+// holds the query's total.
 template <typename scalar_t, int FPL>
 __global__ void __launch_bounds__(kThreads)
     radius_warp_fwd_kernel(const float* q, int64_t m, const Point4* ref,
@@ -462,41 +502,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
   float total = 0.0f;
-  Box b;
-  if (box_of(qp, radius, g, b)) {
-    for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
-      for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
-        const int64_t column = (x * g.dims[1] + y) * g.dims[2];
-        const int32_t end = start[column + b.hi[2] + 1];
-        for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
-          const int32_t j = j0 + lane;
-          float w = 0.0f;
-          int32_t index = 0;
-          bool inside = false;
-          if (j < end) {
-            const Point4 p = load_point(ref, j);
-            const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
-            const float d = sqrtf(dx * dx + dy * dy + dz * dz);
-            inside = d <= radius;
-            w = inside ? expf(-d * inv_sigma) : 0.0f;
-            index = p.index;
-          }
-          for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
-               found &= found - 1) {
-            const int src = __ffs(found) - 1;
-            const float wj = __shfl_sync(0xffffffffu, w, src);
-            const int64_t rj = __shfl_sync(0xffffffffu, index, src);
-            total += wj;
+  for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
+                      [&](int64_t rj, float wj) {
+                        total += wj;
 #pragma unroll
-            for (int t = 0; t < FPL; ++t) {
-              const int64_t c = lane + 32 * t;
-              if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
-            }
-          }
-        }
-      }
-    }
-  }
+                        for (int t = 0; t < FPL; ++t) {
+                          const int64_t c = lane + 32 * t;
+                          if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
+                        }
+                      });
 #pragma unroll
   for (int t = 0; t < FPL; ++t) {
     const int64_t c = lane + 32 * t;
@@ -526,39 +540,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-  Box b;
-  if (!box_of(qp, radius, g, b)) return;
-  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
-    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
-      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
-      const int32_t end = start[column + b.hi[2] + 1];
-      for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
-        const int32_t j = j0 + lane;
-        float w = 0.0f;
-        int32_t index = 0;
-        bool inside = false;
-        if (j < end) {
-          const Point4 p = load_point(ref, j);
-          const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
-          const float d = sqrtf(dx * dx + dy * dy + dz * dz);
-          inside = d <= radius;
-          w = inside ? expf(-d * inv_sigma) : 0.0f;
-          index = p.index;
-        }
-        for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
-             found &= found - 1) {
-          const int src = __ffs(found) - 1;
-          const float wj = __shfl_sync(0xffffffffu, w, src);
-          const int64_t rj = __shfl_sync(0xffffffffu, index, src);
+  for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
+                      [&](int64_t rj, float wj) {
 #pragma unroll
-          for (int t = 0; t < FPL; ++t) {
-            const int64_t c = lane + 32 * t;
-            if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
-          }
-        }
-      }
-    }
-  }
+                        for (int t = 0; t < FPL; ++t) {
+                          const int64_t c = lane + 32 * t;
+                          if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
+                        }
+                      });
 }
 
 // Features per lane of the warp kernels: F up to 128 (4 per lane); wider rows take the
@@ -603,11 +592,9 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
       return;
     }
     radius_fwd_kernel<scalar_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
-        p_query.data_ptr<float>(), m, reinterpret_cast<const Point4*>(d.ref.data_ptr<float>()),
-        d.start.data_ptr<int32_t>(),
-        reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>()), (float)radius,
-        (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f, out.data_ptr<scalar_t>(),
-        totals.data_ptr<float>());
+        p_query.data_ptr<float>(), m, ref, d.start.data_ptr<int32_t>(), params,
+        (float)radius, (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f,
+        out.data_ptr<scalar_t>(), totals.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, totals, d.ref, d.start, d.params};
@@ -638,12 +625,10 @@ at::Tensor radius_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
                 (float)radius, (float)(1.0 / sigma), f, acc.data_ptr<acc_t>());
       });
     } else {
-    radius_bwd_kernel<scalar_t, acc_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
-        grad_out.data_ptr<scalar_t>(), p_query.data_ptr<float>(), m,
-        totals.data_ptr<float>(), reinterpret_cast<const Point4*>(grid_ref.data_ptr<float>()),
-        grid_start.data_ptr<int32_t>(),
-        reinterpret_cast<const GridParams*>(grid_params.data_ptr<uint8_t>()),
-        (float)radius, (float)(1.0 / sigma), f, acc.data_ptr<acc_t>());
+      radius_bwd_kernel<scalar_t, acc_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), p_query.data_ptr<float>(), m,
+          totals.data_ptr<float>(), ref, grid_start.data_ptr<int32_t>(), params,
+          (float)radius, (float)(1.0 / sigma), f, acc.data_ptr<acc_t>());
     }
     grad = acc.scalar_type() == grad_out.scalar_type() ? acc
                                                         : acc.to(grad_out.scalar_type());
