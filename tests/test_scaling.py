@@ -56,3 +56,15 @@ def test_a_sweep_stops_a_curve_over_its_budget():
     )
     assert list(df["status"]) == ["ok"] + ["not run (over 0 s per call)"] * 2
     assert df.loc[0, "n_query"] == 64 and df.loc[0, "ms"] > 0
+
+
+def test_a_tail_slope_reads_the_largest_sizes_only():
+    # a fixed cost of 1 ms dominates the small sizes: the whole curve's slope is
+    # flattened by it, the tail's is the work's
+    xs = [1e2, 1e3, 1e4, 1e5, 1e6]
+    df = _curve("b", xs, 1.0, 1e-3)
+    df["ms"] = df["ms"] + 1.0
+    whole = scaling.slopes(df, "n_ref")["b"]
+    tail = scaling.slopes(df, "n_ref", tail=2)["b"]
+    assert whole < 0.8
+    assert tail == pytest.approx(1.0, abs=0.01)

@@ -510,3 +510,24 @@ def test_above_floor_subtracts_the_floor_per_metric():
     assert out.loc[("eager", "forward"), "aggregation ms"] == pytest.approx(0.2)
     assert out.loc[("eager", "training"), "aggregation ms"] == pytest.approx(0.5)
     assert out.loc[("eager", "training"), "floor ms"] == pytest.approx(1.5)
+
+
+def test_timing_panels_draws_a_panel_per_workload_with_every_variant():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from extkernels import plotting
+
+    def frame(names):
+        return pd.DataFrame(
+            {"forward_ms": [1.0, 2.0, 3.0][: len(names)], "train_ms": 2.0},
+            index=names,
+        )
+
+    parts = {"kNN": frame(["knn/a", "knn/b", "knn/c"]), "radius": frame(["radius/a"])}
+    fig = plotting.timing_panels(parts, title="every variant", hardware="NVIDIA X")
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["kNN", "radius"]
+    labels = [[t.get_text() for t in ax.get_yticklabels()] for ax in fig.axes]
+    assert labels == [["knn/a", "knn/b", "knn/c"], ["radius/a"]]
+    assert "NVIDIA X" in fig._suptitle.get_text()
+    assert len(fig.axes[0].patches) == 6  # a forward and a training bar per variant

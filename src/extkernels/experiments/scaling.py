@@ -17,7 +17,7 @@ import torch
 from ..data import features, query_grid, reference_cloud
 from ..ops import knn_aggregate, radius_aggregate
 from ..ops.checks import value_checks
-from ..timing import peak_memory_mb, time_fn
+from ..timing import peak_memory_mb, time_blocks, time_fn
 
 __all__ = ["sweep", "slopes", "crossover"]
 
@@ -76,13 +76,11 @@ def sweep(
                 with torch.no_grad(), value_checks(False):
                     once = time_fn(fn, 1)
                     n_iters = max(1, min(200, int(50 / max(once, 1e-3))))
-                    times = sorted(time_fn(fn, n_iters) for _ in range(repeats))
+                    ms, fastest, slowest = time_blocks(fn, n_iters, repeats)
                     peak = peak_memory_mb(fn, device)
-                row.update(
-                    ms=times[len(times) // 2], min=times[0], max=times[-1], status="ok"
-                )
+                row.update(ms=ms, min=fastest, max=slowest, status="ok")
                 row["peak MiB"] = peak
-                if times[0] > 1e3 * budget_s:
+                if fastest > 1e3 * budget_s:
                     stopped = f"over {budget_s:g} s per call"
             except torch.OutOfMemoryError:
                 row["status"] = "out of memory"
@@ -96,15 +94,26 @@ def sweep(
     return pd.DataFrame(rows).reindex(columns=columns)
 
 
-def slopes(df: pd.DataFrame, x: str, y: str = "ms", *, by: str = "backend"):
+def slopes(
+    df: pd.DataFrame,
+    x: str,
+    y: str = "ms",
+    *,
+    by: str = "backend",
+    tail: int | None = None,
+):
     """The slope of ``log y`` against ``log x`` for each ``by``, by least squares over
-    the rows measured (``status == "ok"``): time grows as ``x ** slope``.
+    the rows measured (``status == "ok"``): time grows as ``x ** slope``. With ``tail``,
+    over the ``tail`` largest ``x`` measured only, where the work outgrows the fixed
+    costs of a call.
 
     Returns:
         Series indexed by ``by`` (NaN where fewer than two points were measured).
     """
     out = {}
     for name, part in df[df["status"] == "ok"].groupby(by, sort=False):
+        if tail is not None:
+            part = part.nlargest(tail, x)
         if part[x].nunique() < 2:
             out[name] = math.nan
             continue
