@@ -81,13 +81,10 @@ def _bars(ax, df: pd.DataFrame, log: bool):
     return bars_f, bars_t
 
 
-def _finish(fig, df, title: str, hardware: str, handles, bottom: float = 0.06) -> None:
+def _suptitle(df: pd.DataFrame, title: str, hardware: str) -> str:
     runs = int(df["repeats"].min()) if "repeats" in df else 1
     note = f", median of {runs} runs (whiskers: min-max)" if runs > 1 else ""
-    fig.suptitle(f"{title}\n{hardware}{note}")
-    # Below the axes, where it covers no bar.
-    fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
-    fig.tight_layout(rect=(0, bottom, 1, 1))  # suptitle included
+    return f"{title}\n{hardware}{note}"
 
 
 def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = False):
@@ -105,7 +102,10 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     """
     fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(df) + 1.6))
     handles = _bars(ax, df, log)
-    _finish(fig, df, title, hardware, handles)
+    fig.suptitle(_suptitle(df, title, hardware))
+    # Below the axes, where it covers no bar.
+    fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # suptitle included
     return fig
 
 
@@ -122,15 +122,16 @@ def timing_panels(
     fig, axes = plt.subplots(
         len(parts),
         1,
-        figsize=(WIDTH + 1.0, 0.42 * sum(rows) + 1.0 * len(parts) + 1.2),
+        figsize=(WIDTH + 1.0, 0.42 * sum(rows) + 1.0 * len(parts) + 1.0),
         gridspec_kw={"height_ratios": rows},
         squeeze=False,
+        layout="constrained",
     )
     for ax, (name, df) in zip(axes[:, 0], parts.items(), strict=True):
         handles = _bars(ax, df, log)
         ax.set_title(name, loc="left", fontsize=10)
-    legend = 0.5 / fig.get_size_inches()[1]  # half an inch for the legend
-    _finish(fig, pd.concat(parts.values()), title, hardware, handles, bottom=legend)
+    fig.suptitle(_suptitle(pd.concat(parts.values()), title, hardware))
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False)
     return fig
 
 
