@@ -439,23 +439,35 @@ def test_summary_is_narrow_and_says_median_and_range():
     assert out.loc["v", "training ms"] == "4.000 (2.000–8.000)"
 
 
+def _benchmark_file(path, hardware, runs):
+    runs = [
+        {"variant": v, "workload": v.split("/")[0], "forward_ms": f, "train_ms": 2 * f}
+        for v, f in runs
+    ]
+    meta = {"hardware": hardware, "date": "today"}
+    path.write_text(json.dumps({"meta": meta, "rows": [], "runs": runs}))
+    return str(path)
+
+
 def test_benchmark_merge_refuses_files_of_two_machines(tmp_path):
-    paths = []
-    for hardware in ("GPU A", "GPU B"):
-        path = tmp_path / f"{hardware}.json"
-        run = {
-            "variant": "knn/torch",
-            "workload": "knn",
-            "forward_ms": 1.0,
-            "train_ms": 2.0,
-        }
-        meta = {"hardware": hardware, "date": "today"}
-        path.write_text(json.dumps({"meta": meta, "rows": [], "runs": [run]}))
-        paths.append(str(path))
+    paths = [
+        _benchmark_file(tmp_path / f"{hw}.json", hw, [("knn/torch", 1.0)])
+        for hw in ("GPU A", "GPU B")
+    ]
     meta, df = benchmark.merge(paths[:1] * 2)
-    assert df.loc["knn/torch", "repeats"] == 2 and meta["date"] == "today, today"
+    assert meta["date"] == "today, today"
     with pytest.raises(ValueError, match="^paths: expected files from one machine"):
         benchmark.merge(paths)
+
+
+def test_benchmark_merge_replaces_the_runs_of_a_variant_timed_again(tmp_path):
+    old = [("knn/torch", 10.0), ("knn/torch", 11.0), ("knn/cpp", 1.0), ("knn/cpp", 1.2)]
+    first = _benchmark_file(tmp_path / "old.json", "GPU", old)
+    again = _benchmark_file(tmp_path / "new.json", "GPU", [("knn/cpp", 0.5)])
+    _, df = benchmark.merge([first, again])
+    assert df.loc["knn/cpp", "repeats"] == 1
+    assert df.loc["knn/cpp", "forward_ms"] == 0.5  # the old runs are gone
+    assert df.loc["knn/torch", "repeats"] == 2  # a variant not timed again stays
 
 
 @pytest.mark.parametrize(
@@ -510,3 +522,24 @@ def test_above_floor_subtracts_the_floor_per_metric():
     assert out.loc[("eager", "forward"), "aggregation ms"] == pytest.approx(0.2)
     assert out.loc[("eager", "training"), "aggregation ms"] == pytest.approx(0.5)
     assert out.loc[("eager", "training"), "floor ms"] == pytest.approx(1.5)
+
+
+def test_timing_panels_draws_a_panel_per_workload_with_every_variant():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from extkernels import plotting
+
+    def frame(names):
+        return pd.DataFrame(
+            {"forward_ms": [1.0, 2.0, 3.0][: len(names)], "train_ms": 2.0},
+            index=names,
+        )
+
+    parts = {"kNN": frame(["knn/a", "knn/b", "knn/c"]), "radius": frame(["radius/a"])}
+    fig = plotting.timing_panels(parts, title="every variant", hardware="NVIDIA X")
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["kNN", "radius"]
+    labels = [[t.get_text() for t in ax.get_yticklabels()] for ax in fig.axes]
+    assert labels == [["knn/a", "knn/b", "knn/c"], ["radius/a"]]
+    assert "NVIDIA X" in fig._suptitle.get_text()
+    assert len(fig.axes[0].patches) == 6  # a forward and a training bar per variant

@@ -131,15 +131,18 @@ def _write(path: str, df: pd.DataFrame, meta: dict) -> None:
 
 
 def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
-    """Several files of this command, from one machine, as one: every run of every file,
+    """Several files of this command, from one machine, as one: the runs of every file,
     the table rebuilt from them (so speedups use the baseline wherever it was timed).
-    The meta of the first file, with the dates of all."""
+    A variant timed again in a later file keeps only the later file's runs: a
+    re-measurement replaces the old one, never mixes with it. The meta of the first
+    file, with the dates of all."""
     metas, runs = [], []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         metas.append(data["meta"])
-        runs += data["runs"]
+        again = {r["variant"] for r in data["runs"]}
+        runs = [r for r in runs if r["variant"] not in again] + data["runs"]
     hardware = {m["hardware"] for m in metas}
     if len(hardware) != 1:
         raise ValueError(

@@ -38,20 +38,9 @@ def _spread(df: pd.DataFrame, metric: str):
     return np.vstack([median - df[lo], df[hi] - median])
 
 
-def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = False):
-    """Grouped horizontal bars of forward and training milliseconds per variant: medians
-    of repeated runs, with whiskers from the fastest to the slowest run where the frame
-    has them (see :func:`extkernels.timing.timings_frame`).
-
-    Args:
-        df: indexed by variant, with ``forward_ms`` and ``train_ms`` columns.
-        title: what is compared; hardware: where it was measured (shown in the title).
-        log: logarithmic time axis, for variants that differ by orders of magnitude.
-
-    Returns:
-        The matplotlib figure.
-    """
-    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(df) + 1.6))
+def _bars(ax, df: pd.DataFrame, log: bool):
+    """Forward and training bars of ``df`` on ``ax``, each median labelled; returns the
+    two bar containers (for a legend)."""
     y = np.arange(len(df))
     h = 0.38
     whiskers = {"capsize": 2, "elinewidth": 0.8, "ecolor": "0.25"}
@@ -89,24 +78,81 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     if log:
         ax.set_xscale("log")
     ax.margins(x=0.15)
+    return bars_f, bars_t
+
+
+def _suptitle(df: pd.DataFrame, title: str, hardware: str) -> str:
     runs = int(df["repeats"].min()) if "repeats" in df else 1
     note = f", median of {runs} runs (whiskers: min-max)" if runs > 1 else ""
-    fig.suptitle(f"{title}\n{hardware}{note}")
-    # Below the axes, where it covers no bar.
-    fig.legend(handles=[bars_f, bars_t], loc="lower center", ncol=2, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))  # suptitle included
-    return fig
+    return f"{title}\n{hardware}{note}"
 
 
-def scaling_plot(
-    df: pd.DataFrame, *, x: str, y: str, by: str, title: str, hardware: str, ylabel: str
-):
-    """Log-log lines of ``y`` against ``x``, one line per value of ``by``.
+def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = False):
+    """Grouped horizontal bars of forward and training milliseconds per variant: medians
+    of repeated runs, with whiskers from the fastest to the slowest run where the frame
+    has them (see :func:`extkernels.timing.timings_frame`).
+
+    Args:
+        df: indexed by variant, with ``forward_ms`` and ``train_ms`` columns.
+        title: what is compared; hardware: where it was measured (shown in the title).
+        log: logarithmic time axis, for variants that differ by orders of magnitude.
 
     Returns:
         The matplotlib figure.
     """
-    fig, ax = plt.subplots()
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(df) + 1.6))
+    handles = _bars(ax, df, log)
+    fig.suptitle(_suptitle(df, title, hardware))
+    # Below the axes, where it covers no bar.
+    fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # suptitle included
+    return fig
+
+
+def timing_panels(
+    parts: dict[str, pd.DataFrame], *, title: str, hardware: str, log: bool = True
+):
+    """:func:`timing_bars` of several frames as panels of one figure, stacked, each
+    titled by its key (every variant of the book in one chart, a panel per workload).
+
+    Returns:
+        The matplotlib figure.
+    """
+    rows = [len(df) for df in parts.values()]
+    fig, axes = plt.subplots(
+        len(parts),
+        1,
+        figsize=(WIDTH + 1.0, 0.42 * sum(rows) + 1.0 * len(parts) + 1.0),
+        gridspec_kw={"height_ratios": rows},
+        squeeze=False,
+        layout="constrained",
+    )
+    for ax, (name, df) in zip(axes[:, 0], parts.items(), strict=True):
+        handles = _bars(ax, df, log)
+        ax.set_title(name, loc="left", fontsize=10)
+    fig.suptitle(_suptitle(pd.concat(parts.values()), title, hardware))
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False)
+    return fig
+
+
+def scaling_plot(
+    df: pd.DataFrame,
+    *,
+    x: str,
+    y: str,
+    by: str,
+    title: str,
+    hardware: str,
+    ylabel: str,
+    ax=None,
+):
+    """Log-log lines of ``y`` against ``x``, one line per value of ``by`` (on ``ax``, a
+    panel of a larger figure, or a figure of its own).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, ax = plt.subplots() if ax is None else (ax.figure, ax)
     for name, part in df.groupby(by, sort=False):
         ax.plot(part[x], part[y], marker="o", label=str(name))
     ax.set_xscale("log")
