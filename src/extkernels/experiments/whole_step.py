@@ -7,7 +7,6 @@ Each function runs on the device of its inputs; those that need CUDA graphs say 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pandas as pd
@@ -20,7 +19,8 @@ from ..graphs import CapturedStep, captured_forward
 from ..models import KnnAggregation, Projector
 from ..ops import knn, knn_aggregate
 from ..ops.checks import value_checks
-from ..timing import time_blocks, time_fn
+from ..profiling import profile
+from ..timing import first_call_seconds, time_blocks, time_fn
 
 __all__ = [
     "lanes_table",
@@ -109,14 +109,7 @@ def replay_kernels(fn: Callable[[], object], n_iters: int = 20, top: int = 10):
         DataFrame with ``kernel``, ``µs`` and ``share (%)`` of the summed kernel time,
         and ``calls`` per call of ``fn``.
     """
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(n_iters):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile(fn, device=torch.device("cuda"), n_iters=n_iters, warmup=3)
     rows: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -210,12 +203,8 @@ def changing_shapes(
     rows = {}
 
     def record(strategy, n, fn, count=lambda: float("nan")):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        first_ms = 1e3 * (time.perf_counter() - start)
-        exact = torch.allclose(out[: p_query.shape[0]], expected[n], atol=1e-5)
+        first_ms = 1e3 * first_call_seconds(fn, device)
+        exact = torch.allclose(fn()[: p_query.shape[0]], expected[n], atol=1e-5)
         rows[(strategy, n)] = {
             "first call ms": first_ms,
             "ms per call": time_fn(fn, 50),
