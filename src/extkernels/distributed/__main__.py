@@ -1,0 +1,5 @@
+"""``python -m extkernels.distributed``: see :mod:`~.command`."""
+
+from .command import main
+
+main()

@@ -1,0 +1,140 @@
+"""Who holds which rows, and the collectives that move them (chapter 13).
+
+Two ways to cut ``n`` rows over ``world`` ranks:
+
+- :func:`reference_rows`: a balanced split of the reference cloud (shard sizes differ by
+  at most one), so that every rank holds at least one point when ``n >= world``;
+- :func:`query_rows`: equal chunks of ``ceil(m / world)`` queries, the last ones short
+  or empty, because a reduce-scatter hands every rank a chunk of the same size (the
+  sums are padded to ``world`` chunks, then cut back).
+
+The collectives are PyTorch's functional ones (``torch.distributed._functional_collectives``):
+they return new tensors instead of filling buffers, carry autograd where the book needs
+it, and ``torch.compile`` traces them into its graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+__all__ = [
+    "Rows",
+    "reference_rows",
+    "query_rows",
+    "all_gather",
+    "reduce_scatter_sum",
+    "merge_topk",
+    "to_query_rows",
+]
+
+# torch 2.13 renamed the functional collectives (``*_tensor`` -> ``*_single``); the old
+# names remain there as deprecated aliases.
+_all_gather = getattr(funcol, "all_gather_single", None) or getattr(
+    funcol, "all_gather_tensor"
+)
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or getattr(
+    funcol, "all_gather_tensor_autograd"
+)
+_reduce_scatter_autograd = getattr(
+    funcol, "reduce_scatter_single_autograd", None
+) or getattr(funcol, "reduce_scatter_tensor_autograd")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows ``[lo, hi)`` of ``n`` that one rank holds."""
+
+    n: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor of ``n`` rows (a view, contiguous)."""
+        if x.shape[0] != self.n:
+            raise ValueError(f"x: expected {self.n} rows, got {x.shape[0]}")
+        return x[self.lo : self.hi]
+
+
+def _check_rank(world: int, rank: int) -> None:
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank: expected 0 <= rank < world={world}, got {rank}")
+
+
+def reference_rows(n: int, world: int, rank: int) -> Rows:
+    """Rank ``rank``'s shard of a cloud of ``n`` points: a balanced split."""
+    _check_rank(world, rank)
+    if n < world:
+        raise ValueError(
+            f"p_ref: expected at least one point per rank ({world} ranks), got {n}"
+        )
+    return Rows(n, rank * n // world, (rank + 1) * n // world)
+
+
+def query_rows(m: int, world: int, rank: int) -> Rows:
+    """Rank ``rank``'s queries: chunk ``rank`` of ``ceil(m / world)`` rows."""
+    _check_rank(world, rank)
+    chunk = math.ceil(m / world)
+    return Rows(m, min(rank * chunk, m), min((rank + 1) * chunk, m))
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new first dimension: ``(world, *x.shape)``.
+    No gradient (the book gathers neighbour candidates, which carry none)."""
+    group = group or dist.group.WORLD
+    out = _all_gather(x.contiguous(), 0, group)
+    return out.view(_world(group), *x.shape)
+
+
+def reduce_scatter_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum over ranks of ``x`` (``(world * c, ...)``), of which this rank keeps
+    chunk ``rank`` (``(c, ...)``). Differentiable: its backward all-gathers the
+    gradients."""
+    group = group or dist.group.WORLD
+    return _reduce_scatter_autograd(x.contiguous(), "sum", 0, group)
+
+
+def merge_topk(
+    distances: torch.Tensor, indices: torch.Tensor, k: int, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact global k nearest from every rank's k nearest in its shard.
+
+    A point among a query's k nearest of the whole cloud is among the k nearest of its
+    own shard, so the k smallest of the ``world * k`` candidates are the answer.
+
+    Args:
+        distances: ``(M, k)`` this rank's candidates (``inf`` where its shard has fewer
+            than ``k`` points).
+        indices: ``(M, k)`` int64 rows of the *whole* cloud.
+
+    Returns:
+        distances ``(M, k)`` ascending, indices ``(M, k)``, the same on every rank.
+    """
+    m = distances.shape[0]
+    world = _world(group or dist.group.WORLD)
+    d = all_gather(distances, group).permute(1, 0, 2).reshape(m, world * k)
+    i = all_gather(indices, group).permute(1, 0, 2).reshape(m, world * k)
+    best = d.topk(k, dim=1, largest=False, sorted=True)
+    return best.values, i.gather(1, best.indices)
+
+
+def to_query_rows(partial: torch.Tensor, rows: Rows, group=None) -> torch.Tensor:
+    """Sum every rank's ``partial`` (``(M, C)``, a row per query) and keep this rank's
+    queries: ``(rows.size, C)``. Differentiable in ``partial``."""
+    world = _world(group or dist.group.WORLD)
+    chunk = math.ceil(rows.n / world)
+    padded = F.pad(partial, (0, 0, 0, chunk * world - rows.n))
+    return reduce_scatter_sum(padded, group)[: rows.size]
