@@ -3,7 +3,8 @@
 :func:`measure` runs on every rank of a launch of ``max(worlds)`` ranks. For each world
 size ``w`` it forms the group of the first ``w`` ranks (the others wait), and for each
 layout and cloud size it times the forward pass and the training step by the book's
-protocol: warm-up, then blocks of ``n_iters`` calls (:func:`~extkernels.timing.time_blocks`).
+protocol: warm-up, then blocks of ``n_iters`` calls
+(:func:`~extkernels.timing.time_blocks`).
 A rank's time is the median block; the row keeps the slowest rank's, since a step ends
 when its last rank does. One launch is one run; the command repeats launches in fresh
 processes and reports medians and spreads over them.

@@ -207,6 +207,7 @@ class ShardedProjector(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"workload={self.workload!r}, backend={self.backend!r}, rank={self.rank} of "
-            f"{self.world}, points {self.rows.lo}:{self.rows.hi} of {self.rows.n}"
+            f"workload={self.workload!r}, backend={self.backend!r}, "
+            f"rank={self.rank} of {self.world}, "
+            f"points {self.rows.lo}:{self.rows.hi} of {self.rows.n}"
         )

@@ -8,9 +8,10 @@ Two ways to cut ``n`` rows over ``world`` ranks:
   or empty, because a reduce-scatter hands every rank a chunk of the same size (the
   sums are padded to ``world`` chunks, then cut back).
 
-The collectives are PyTorch's functional ones (``torch.distributed._functional_collectives``):
-they return new tensors instead of filling buffers, carry autograd where the book needs
-it, and ``torch.compile`` traces them into its graph.
+The collectives are PyTorch's functional ones
+(``torch.distributed._functional_collectives``): they return new tensors instead of
+filling buffers, carry autograd where the book needs it, and ``torch.compile`` traces
+them into its graph.
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ __all__ = [
     "to_query_rows",
 ]
 
+
 # torch 2.13 renamed the functional collectives (``*_tensor`` -> ``*_single``); the old
 # names remain there as deprecated aliases.
-_all_gather = getattr(funcol, "all_gather_single", None) or getattr(
-    funcol, "all_gather_tensor"
+def _newest(new: str, old: str):
+    return getattr(funcol, new, None) or getattr(funcol, old)
+
+
+_all_gather = _newest("all_gather_single", "all_gather_tensor")
+_reduce_scatter_autograd = _newest(
+    "reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"
 )
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or getattr(
-    funcol, "all_gather_tensor_autograd"
-)
-_reduce_scatter_autograd = getattr(
-    funcol, "reduce_scatter_single_autograd", None
-) or getattr(funcol, "reduce_scatter_tensor_autograd")
 
 
 @dataclass(frozen=True)
