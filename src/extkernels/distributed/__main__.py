@@ -1,4 +1,4 @@
-"""``python -m extkernels.distributed``: see :mod:`~.command`."""
+"""``python -m extkernels.distributed`` (chapter 13): see :mod:`~.command`."""
 
 from .command import main
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import MLP
-from ..ops import checks, knn
+from ..ops import checks, fused, knn
 from . import shards
 
 __all__ = ["sharded_knn", "knn_partial", "radius_partial", "ShardedProjector"]
@@ -108,8 +108,6 @@ def radius_partial(
     total weight); ``"torch"`` from a brute force (memory ``M x N``, for checks).
     """
     if backend == "fused":
-        from ..ops import fused
-
         out, total = fused.radius_aggregate_with_totals(
             p_query, p_ref_local, feats_local, radius, sigma
         )
