@@ -15,9 +15,9 @@ from ..notebook import versions
 from ..problem import problem
 from . import launch
 from .bench import measure, table
-from .exactness import compare
+from .exactness import compare, compile_report
 
-__all__ = ["checks", "bench", "main"]
+__all__ = ["checks", "compiling", "bench", "main"]
 
 
 def _sizes(text: str) -> list[int]:
@@ -43,6 +43,13 @@ def _checks_on_rank(device, workloads, layouts, grid_side, n_ref, backend, compi
         )
         for w in workloads
         for layout in layouts
+    ]
+
+
+def _compile_on_rank(device, workloads, grid_side, n_ref, backend):
+    prob = _problem(grid_side)
+    return [
+        compile_report(device, w, prob, n_ref=n_ref, backend=backend) for w in workloads
     ]
 
 
@@ -72,6 +79,21 @@ def checks(
     the largest differences (:func:`~.exactness.compare`)."""
     args = (list(workloads), list(layouts), grid_side, n_ref, backend, compile)
     return pd.DataFrame(_run(_checks_on_rank, world, *args, device=device))
+
+
+def compiling(
+    world: int = 2,
+    *,
+    workloads=("knn", "radius"),
+    grid_side: int | None = None,
+    n_ref: int | None = None,
+    backend: str = "fused",
+    device: str | None = None,
+) -> pd.DataFrame:
+    """What ``torch.compile`` makes of the sharded projector on ``world`` fresh ranks
+    (:func:`~.exactness.compile_report`), a row per workload."""
+    args = (list(workloads), grid_side, n_ref, backend)
+    return pd.DataFrame(_run(_compile_on_rank, world, *args, device=device))
 
 
 def bench(

@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import data
 from ..ops import knn
 from ..problem import Problem
-from .ops import sharded_knn
+from .ops import ShardedProjector, sharded_knn
 from .setups import make_setup, single_projector
 
-__all__ = ["compare", "within_float32"]
+__all__ = ["compare", "within_float32", "compile_report"]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,3 +126,58 @@ def compare(
     out["workload"], out["layout"], out["compiled"] = workload, layout, compile
     out["world"], out["n_ref"], out["n_query"] = mine.world, n_ref, rows.n
     return out
+
+
+def compile_report(
+    device: torch.device,
+    workload: str,
+    prob: Problem,
+    *,
+    n_ref: int | None = None,
+    backend: str = "fused",
+) -> dict:
+    """What ``torch.compile`` makes of the sharded projector on this rank; call on every
+    rank.
+
+    Returns:
+        ``graphs`` and ``breaks`` of the bare :class:`~.ops.ShardedProjector`
+        (``torch._dynamo.explain``), the same of it wrapped in DDP (``ddp_graphs``,
+        ``ddp_breaks``), and ``ddp_fullgraph``: ``"compiles"``, or the explanation
+        (else the first line) of the error that ``torch.compile(DDP(...),
+        fullgraph=True)`` raises.
+    """
+    n_ref = n_ref or (prob.n_ref if workload == "knn" else prob.n_ref_radius)
+    module = ShardedProjector(
+        workload,
+        n_ref,
+        k=prob.k,
+        sigma=prob.sigma,
+        radius=prob.radius,
+        hidden=prob.hidden,
+        backend=backend,
+    ).to(device)
+    p_query = data.query_grid(prob.grid_side, device=device)
+    p_ref = module.rows.of(data.reference_cloud(n_ref, seed=prob.seed)).to(device)
+    bare = torch._dynamo.explain(module)(p_query, p_ref)
+    torch._dynamo.reset()
+    ids = [device.index] if device.type == "cuda" else None
+    wrapped = torch._dynamo.explain(DDP(module, device_ids=ids))(p_query, p_ref)
+    torch._dynamo.reset()
+    try:
+        torch.compile(DDP(module, device_ids=ids), fullgraph=True)(p_query, p_ref)
+        whole = "compiles"
+    except Exception as error:  # the error is the finding
+        lines = [line.strip() for line in str(error).strip().splitlines()]
+        said = [line for line in lines if line.startswith("Explanation:")]
+        whole = f"{type(error).__name__}: {(said or lines)[0]}".replace(
+            "Explanation: ", ""
+        )
+    torch._dynamo.reset()
+    return {
+        "workload": workload,
+        "graphs": bare.graph_count,
+        "breaks": bare.graph_break_count,
+        "ddp_graphs": wrapped.graph_count,
+        "ddp_breaks": wrapped.graph_break_count,
+        "ddp_fullgraph": whole,
+    }
