@@ -242,3 +242,26 @@ def test_the_command_runs_under_torchrun():
     assert done.returncode == 0, done.stderr[-3000:]
     table = done.stdout.strip().splitlines()
     assert len(table) == 2 and "reference" in table[1] and "True" in table[1]
+
+
+# ------------------------------------------------------ GPUs, one rank each (NCCL)
+
+
+def _gpu_world() -> int:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return min(torch.cuda.device_count(), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nccl_ranks_match_one_gpu(compiled):
+    world = _gpu_world()
+    layouts = ("reference",) if compiled else ("queries", "reference")
+    df = checks(world, layouts=layouts, compile=compiled, device="cuda")
+    assert (df["world"] == world).all() and len(df) == 2 * len(layouts)
+    for row in _rows(df):
+        assert within_float32(row["forward"], row["forward_scale"]), row.to_dict()
+        assert within_float32(row["grad"], row["grad_scale"]), row.to_dict()
+        if row["workload"] == "knn" and row["layout"] == "reference":
+            assert row["same_neighbours"] is True
