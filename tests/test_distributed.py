@@ -16,7 +16,7 @@ import extkernels as ek
 from extkernels.distributed import ShardedProjector, knn_partial, radius_partial
 from extkernels.distributed import shards as S
 from extkernels.distributed.command import bench, checks
-from extkernels.distributed.exactness import within_float32
+from extkernels.distributed.exactness import same_neighbours, within_float32
 from extkernels.distributed.ops import sharded_knn
 from extkernels.distributed.setups import make_setup, single_projector
 from extkernels.ops.gather import softmax_gather
@@ -265,3 +265,15 @@ def test_nccl_ranks_match_one_gpu(compiled):
         assert within_float32(row["grad"], row["grad_scale"]), row.to_dict()
         if row["workload"] == "knn" and row["layout"] == "reference":
             assert row["same_neighbours"] is True
+
+
+def test_neighbours_are_the_same_up_to_ties():
+    q = torch.zeros(1, 3)
+    # points 1 to 5 at distances 0.1, 0.2, 0.3, 0.3 and 0.5 from the query
+    r = torch.tensor([[9.0, 0, 0], [0.1, 0, 0], [0, 0.2, 0], [0, 0, 0.3]])
+    r = torch.cat([r, torch.tensor([[0, -0.3, 0], [0.5, 0, 0]])])
+    want = torch.tensor([[0.1, 0.2, 0.3]]), torch.tensor([[1, 2, 3]])
+    assert same_neighbours(want, want, q, r)
+    assert same_neighbours(want, (want[0], torch.tensor([[1, 2, 4]])), q, r)  # tie
+    assert not same_neighbours(want, (want[0], torch.tensor([[1, 2, 5]])), q, r)
+    assert not same_neighbours(want, (want[0] + 1e-3, want[1]), q, r)
