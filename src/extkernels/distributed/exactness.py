@@ -12,6 +12,8 @@ the single search's.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -165,6 +167,8 @@ def compile_report(
         fullgraph=True)`` raises.
     """
     n_ref = n_ref or (prob.n_ref if workload == "knn" else prob.n_ref_radius)
+    # Dynamo's note that it ignores DDP's profiler ranges, once per rank and workload
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     module = ShardedProjector(
         workload,
         n_ref,

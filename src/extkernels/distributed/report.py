@@ -20,21 +20,29 @@ from .bench import table
 
 __all__ = [
     "load",
+    "frame",
     "label",
     "strong",
     "speedups",
     "weak",
     "pays_from",
     "communication",
+    "traffic",
 ]
 
 
 def load(path: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     """``(meta, table, profiles)`` of a file of the scaling command."""
     data = json.loads(Path(path).read_text())
-    tab = table(data["runs"])
+    return data["meta"], frame(data["runs"]), pd.DataFrame(data["profiles"])
+
+
+def frame(runs: list[dict]) -> pd.DataFrame:
+    """Rows of the scaling command's launches as one table (:func:`~.bench.table`),
+    each configuration named (:func:`label`)."""
+    tab = table(runs)
     tab["config"] = [label(r.layout, r.world) for r in tab.itertuples()]
-    return data["meta"], tab, pd.DataFrame(data["profiles"])
+    return tab
 
 
 def label(layout: str, world: int) -> str:
@@ -142,3 +150,34 @@ def communication(profiles: pd.DataFrame) -> pd.DataFrame:
             "comm_share": "communication (%)",
         }
     ).round(3)
+
+
+def traffic(m: int, k: int, f: int, world: int, params: int) -> pd.DataFrame:
+    """What each layout moves between ranks in one training step, in KiB that a rank
+    receives (float32 values, int64 indices; an all-reduce counted as DDP's ring moves
+    it, ``2 (W - 1) / W`` times the gradients)."""
+    chunk = -(-m // world)
+    others = world - 1
+    ring = 2 * others / world * params * 4
+    rows = [
+        ("queries", "DDP: all-reduce of the gradients", "both", ring),
+        ("reference", "kNN candidates: all-gather", "kNN", others * m * k * 12),
+        ("reference", "partial sums: reduce-scatter", "kNN", others * chunk * f * 4),
+        (
+            "reference",
+            "partial sums: reduce-scatter",
+            "radius",
+            others * chunk * (f + 1) * 4,
+        ),
+        ("reference", "their gradient: all-gather", "kNN", others * chunk * f * 4),
+        (
+            "reference",
+            "their gradient: all-gather",
+            "radius",
+            others * chunk * (f + 1) * 4,
+        ),
+        ("reference", "DDP: all-reduce of the gradients", "both", ring),
+    ]
+    out = pd.DataFrame(rows, columns=["layout", "exchange", "workload", "KiB"])
+    out["KiB"] = (out["KiB"] / 1024).round(1)
+    return out
