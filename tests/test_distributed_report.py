@@ -1,11 +1,13 @@
 """The scaling command's tables (chapter 13): medians and ranges over launches,
 speedups, weak-scaling pairs, where several ranks start to pay, traffic per step."""
 
+import json
 import math
 
 import pytest
 
 from extkernels.distributed import report
+from extkernels.distributed.command import merge
 
 
 def _run(layout, world, n, train, run, workload="knn"):
@@ -81,3 +83,25 @@ def test_traffic_counts_what_a_rank_receives():
     assert t[("queries", "DDP: all-reduce of the gradients", "both")] == round(
         1.5 * 400 / 1024, 1
     )
+
+
+def test_merged_files_keep_every_run_and_profile(tmp_path):
+    paths = []
+    for i, date in enumerate(("2026-01-01", "2026-01-02")):
+        meta = {"hardware": "2 x GPU", "date": date, "command": f"bench {i}"}
+        runs = [_run("single", 1, 10, 1.0 + i, 0, workload=("knn", "radius")[i])]
+        profiles = [{"workload": ("knn", "radius")[i]}]
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(
+            json.dumps({"meta": meta, "runs": runs, "profiles": profiles})
+        )
+    out = merge([str(p) for p in paths])
+    assert [r["workload"] for r in out["runs"]] == ["knn", "radius"]
+    assert len(out["profiles"]) == 2
+    assert out["meta"]["date"] == "2026-01-01, 2026-01-02"
+    other = tmp_path / "other.json"
+    other.write_text(
+        json.dumps({"meta": dict(meta, hardware="CPU"), "runs": [], "profiles": []})
+    )
+    with pytest.raises(ValueError, match="paths: expected files from one machine"):
+        merge([str(paths[0]), str(other)])

@@ -17,7 +17,7 @@ from . import launch
 from .bench import measure, table
 from .exactness import compare, compile_report
 
-__all__ = ["checks", "compiling", "bench", "main"]
+__all__ = ["checks", "compiling", "bench", "merge", "main"]
 
 
 def _sizes(text: str) -> list[int]:
@@ -138,9 +138,31 @@ def bench(
     return {"runs": runs, "profiles": profiles}
 
 
+def merge(paths: list[str]) -> dict:
+    """Files of ``bench --out``, from one machine, as one: every file's runs and
+    profiles, the first file's meta with every file's date."""
+    files = []
+    for path in paths:
+        with open(path) as f:
+            files.append(json.load(f))
+    hardware = {f["meta"]["hardware"] for f in files}
+    if len(hardware) != 1:
+        raise ValueError(
+            f"paths: expected files from one machine, got {sorted(hardware)}"
+        )
+    meta = dict(files[0]["meta"], date=", ".join(f["meta"]["date"] for f in files))
+    meta["command"] = " ; ".join(f["meta"]["command"] for f in files)
+    return {
+        "meta": meta,
+        "runs": [r for f in files for r in f["runs"]],
+        "profiles": [p for f in files for p in f["profiles"]],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m extkernels.distributed")
-    parser.add_argument("command", choices=["check", "bench"])
+    parser.add_argument("command", choices=["check", "bench", "merge"])
+    parser.add_argument("files", nargs="*", help="merge: files of bench --out")
     parser.add_argument("--world", type=int, default=2, help="ranks to launch")
     parser.add_argument("--workloads", default="knn,radius")
     parser.add_argument("--layouts", default=None, help="default: every layout")
@@ -156,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
+    if args.command == "merge":
+        with open(args.out, "w") as f:
+            json.dump(merge(args.files), f, indent=1)
+        return
     if args.command == "check":
         layouts = (args.layouts or "queries,reference").split(",")
         df = checks(
