@@ -37,7 +37,7 @@ def sharded_knn(
     rows: shards.Rows,
     *,
     backend: str = "fused",
-    group=None,
+    comm: shards.Comm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact k nearest points of the whole cloud, from a shard on every rank.
 
@@ -47,6 +47,7 @@ def sharded_knn(
         k: neighbours per query, ``1 <= k <= rows.n``.
         rows: where the shard sits in the whole cloud (:func:`~.shards.reference_rows`).
         backend: the search run on the shard (any backend of ``knn``).
+        comm: the process group (default: every rank).
 
     Returns:
         distances ``(M, k)`` ascending and indices ``(M, k)`` into the whole cloud.
@@ -64,7 +65,7 @@ def sharded_knn(
     if kk < k:
         d = torch.cat([d, d.new_full((d.shape[0], k - kk), torch.inf)], dim=1)
         i = torch.cat([i, i.new_full((i.shape[0], k - kk), -1)], dim=1)
-    return shards.merge_topk(d, i, k, group)
+    return shards.merge_topk(d, i, k, comm)
 
 
 def knn_partial(
@@ -158,9 +159,9 @@ class ShardedProjector(nn.Module):
         if workload not in ("knn", "radius"):
             raise ValueError(f"workload: expected 'knn' or 'radius', got {workload!r}")
         self.workload, self.k, self.sigma, self.radius = workload, k, sigma, radius
-        self.backend, self.group = backend, group or dist.group.WORLD
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        group = group or dist.group.WORLD
+        self.backend, self.comm = backend, shards.Comm.of(group)
+        self.world, self.rank = self.comm.world, dist.get_rank(group)
         self.rows = shards.reference_rows(n_ref, self.world, self.rank)
         self.lift = MLP(3, hidden, hidden)
         self.head = MLP(hidden, hidden, 1)
@@ -179,7 +180,7 @@ class ShardedProjector(nn.Module):
                     self.k,
                     self.rows,
                     backend=self.backend,
-                    group=self.group,
+                    comm=self.comm,
                 )
             partial = knn_partial(d, i, feats, self.sigma, self.rows)
         else:
@@ -192,7 +193,7 @@ class ShardedProjector(nn.Module):
                 backend=self.backend,
             )
         mine = shards.to_query_rows(
-            partial, self.query_rows(p_query.shape[0]), self.group
+            partial, self.query_rows(p_query.shape[0]), self.comm
         )
         if self.workload == "radius":
             total = mine[:, -1:]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = [
+    "Comm",
     "Rows",
     "reference_rows",
     "query_rows",
@@ -40,8 +41,23 @@ __all__ = [
 _c10d = torch.ops._c10d_functional
 
 
-def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    out = _c10d.all_gather_into_tensor(x.contiguous(), _world(group), group.group_name)
+@dataclass(frozen=True)
+class Comm:
+    """A process group as the collectives take it: its size and its name, read once,
+    outside any compiled code (constants for ``torch.compile``)."""
+
+    world: int
+    name: str
+
+    @classmethod
+    def of(cls, group=None) -> Comm:
+        """The group's (default: every rank's)."""
+        group = group or dist.group.WORLD
+        return cls(dist.get_world_size(group), group.group_name)
+
+
+def _gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    out = _c10d.all_gather_into_tensor(x.contiguous(), comm.world, comm.name)
     return _c10d.wait_tensor(out)
 
 
@@ -50,16 +66,14 @@ class _ReduceScatterSum(torch.autograd.Function):
     gradients (each rank's input reaches every chunk of the sum)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = _c10d.reduce_scatter_tensor(
-            x.contiguous(), "sum", _world(group), group.group_name
-        )
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        out = _c10d.reduce_scatter_tensor(x.contiguous(), "sum", comm.world, comm.name)
         return _c10d.wait_tensor(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, ctx.group), None
+        return _gather(grad, ctx.comm), None
 
 
 @dataclass(frozen=True)
@@ -103,26 +117,22 @@ def query_rows(m: int, world: int, rank: int) -> Rows:
     return Rows(m, min(rank * chunk, m), min((rank + 1) * chunk, m))
 
 
-def _world(group) -> int:
-    return dist.get_world_size(group)
-
-
-def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
     """Every rank's ``x`` stacked along a new first dimension: ``(world, *x.shape)``.
     No gradient (the book gathers neighbour candidates, which carry none)."""
-    group = group or dist.group.WORLD
-    return _gather(x, group).view(_world(group), *x.shape)
+    comm = comm or Comm.of()
+    return _gather(x, comm).view(comm.world, *x.shape)
 
 
-def reduce_scatter_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_scatter_sum(x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
     """The sum over ranks of ``x`` (``(world * c, ...)``), of which this rank keeps
     chunk ``rank`` (``(c, ...)``). Differentiable: its backward all-gathers the
     gradients."""
-    return _ReduceScatterSum.apply(x, group or dist.group.WORLD)
+    return _ReduceScatterSum.apply(x, comm or Comm.of())
 
 
 def merge_topk(
-    distances: torch.Tensor, indices: torch.Tensor, k: int, group=None
+    distances: torch.Tensor, indices: torch.Tensor, k: int, comm: Comm | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact global k nearest from every rank's k nearest in its shard.
 
@@ -137,18 +147,19 @@ def merge_topk(
     Returns:
         distances ``(M, k)`` ascending, indices ``(M, k)``, the same on every rank.
     """
-    m = distances.shape[0]
-    world = _world(group or dist.group.WORLD)
-    d = all_gather(distances, group).permute(1, 0, 2).reshape(m, world * k)
-    i = all_gather(indices, group).permute(1, 0, 2).reshape(m, world * k)
+    comm, m = comm or Comm.of(), distances.shape[0]
+    d = all_gather(distances, comm).permute(1, 0, 2).reshape(m, comm.world * k)
+    i = all_gather(indices, comm).permute(1, 0, 2).reshape(m, comm.world * k)
     best = d.topk(k, dim=1, largest=False, sorted=True)
     return best.values, i.gather(1, best.indices)
 
 
-def to_query_rows(partial: torch.Tensor, rows: Rows, group=None) -> torch.Tensor:
+def to_query_rows(
+    partial: torch.Tensor, rows: Rows, comm: Comm | None = None
+) -> torch.Tensor:
     """Sum every rank's ``partial`` (``(M, C)``, a row per query) and keep this rank's
     queries: ``(rows.size, C)``. Differentiable in ``partial``."""
-    world = _world(group or dist.group.WORLD)
-    chunk = math.ceil(rows.n / world)
-    padded = F.pad(partial, (0, 0, 0, chunk * world - rows.n))
-    return reduce_scatter_sum(padded, group)[: rows.size]
+    comm = comm or Comm.of()
+    chunk = math.ceil(rows.n / comm.world)
+    padded = F.pad(partial, (0, 0, 0, chunk * comm.world - rows.n))
+    return reduce_scatter_sum(padded, comm)[: rows.size]
