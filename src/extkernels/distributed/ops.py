@@ -80,7 +80,10 @@ def knn_partial(
     its shard; zero for the others. ``(M, F)``, differentiable in ``feats_local``."""
     weights = torch.softmax(-distances / sigma, dim=1)
     mine = (indices >= rows.lo) & (indices < rows.hi)
-    local = torch.where(mine, indices - rows.lo, 0)
+    # A neighbour that another rank holds still gathers a row here, with weight 0. Each
+    # points at a different row: were they all on row 0, the backward's scatter-add
+    # would pile half of all the gradients onto that row, one after another.
+    local = (indices - rows.lo) % rows.size
     weights = torch.where(mine, weights, 0.0)
     return (weights.unsqueeze(-1) * feats_local[local]).sum(dim=1)
 
