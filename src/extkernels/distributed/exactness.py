@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import data
 from ..ops import knn
 from ..problem import Problem
-from .ops import ShardedProjector, sharded_knn
-from .setups import make_setup, single_projector
+from .ops import sharded_knn
+from .setups import make_setup, sharded_projector, single_projector
 
 __all__ = ["compare", "within_float32", "same_neighbours", "compile_report"]
 
@@ -169,15 +169,7 @@ def compile_report(
     n_ref = n_ref or (prob.n_ref if workload == "knn" else prob.n_ref_radius)
     # Dynamo's note that it ignores DDP's profiler ranges, once per rank and workload
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
-    module = ShardedProjector(
-        workload,
-        n_ref,
-        k=prob.k,
-        sigma=prob.sigma,
-        radius=prob.radius,
-        hidden=prob.hidden,
-        backend=backend,
-    ).to(device)
+    module = sharded_projector(workload, n_ref, prob, backend).to(device)
     p_query = data.query_grid(prob.grid_side, device=device)
     p_ref = module.rows.of(data.reference_cloud(n_ref, seed=prob.seed)).to(device)
     bare = torch._dynamo.explain(module)(p_query, p_ref)

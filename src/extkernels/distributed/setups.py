@@ -34,7 +34,7 @@ from ..problem import Problem
 from . import shards
 from .ops import ShardedProjector
 
-__all__ = ["LAYOUTS", "Setup", "single_projector", "make_setup"]
+__all__ = ["LAYOUTS", "Setup", "single_projector", "sharded_projector", "make_setup"]
 
 LAYOUTS = ("single", "queries", "reference")
 
@@ -49,6 +49,23 @@ def single_projector(workload: str, prob: Problem, backend: str) -> Projector:
     else:
         raise ValueError(f"workload: expected 'knn' or 'radius', got {workload!r}")
     return Projector(aggregation, hidden=prob.hidden)
+
+
+def sharded_projector(
+    workload: str, n_ref: int, prob: Problem, backend: str, group=None
+) -> ShardedProjector:
+    """:class:`~.ops.ShardedProjector` of ``workload`` with ``prob``'s
+    hyper-parameters, for this rank of ``group``."""
+    return ShardedProjector(
+        workload,
+        n_ref,
+        k=prob.k,
+        sigma=prob.sigma,
+        radius=prob.radius,
+        hidden=prob.hidden,
+        backend=backend,
+        group=group,
+    )
 
 
 @dataclass
@@ -138,16 +155,7 @@ def make_setup(
         world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = shards.query_rows(p_query.shape[0], world, rank)
     if layout == "reference":
-        module = ShardedProjector(
-            workload,
-            n_ref,
-            k=prob.k,
-            sigma=prob.sigma,
-            radius=prob.radius,
-            hidden=prob.hidden,
-            backend=backend,
-            group=group,
-        )
+        module = sharded_projector(workload, n_ref, prob, backend, group)
         p_ref = module.rows.of(p_ref)
     else:
         module = single_projector(workload, prob, backend)
