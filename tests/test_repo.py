@@ -228,6 +228,12 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
         from extkernels.ops.fused import build
 
         names.update(whole_step=whole_step, build=build)
+    if name.startswith("13_"):  # chapter 13 names the distributed layer's modules
+        from extkernels.distributed import ops as dops
+        from extkernels.distributed import shards
+        from extkernels.distributed.setups import Setup
+
+        names.update(dops=dops, shards=shards, Setup=Setup)
     if name.startswith("10_"):  # chapter 10 names the PTX backend's modules
         from extkernels.ops.ptx import kernels as ptx_kernels
         from extkernels.ops.ptx import ops as ptx_ops

@@ -18,11 +18,18 @@ chapter 9's (:mod:`~.build`).
 
 import torch
 
-from .. import cpp
+from .. import checks, cpp
 from ..registry import Backend, register
 from .build import DEFAULT_LANES, LANES
 
-__all__ = ["BACKEND", "DEFAULT_LANES", "LANES", "available", "prepare"]
+__all__ = [
+    "BACKEND",
+    "DEFAULT_LANES",
+    "LANES",
+    "available",
+    "prepare",
+    "radius_aggregate_with_totals",
+]
 
 
 @torch.compiler.assume_constant_result
@@ -58,6 +65,20 @@ def _knn_aggregate(p_query, p_ref, feats, k, sigma, *, lanes: int = DEFAULT_LANE
 
 def _radius_aggregate(p_query, p_ref, feats, radius, sigma, *, warp: bool = True):
     return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp)[0]
+
+
+def radius_aggregate_with_totals(
+    p_query, p_ref, feats, radius, sigma, *, warp: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The radius aggregation ``(M, F)`` and each query's total weight ``(M,)``, the
+    sum of ``exp(-distance / sigma)`` over its neighbours (0 for none): ``out *
+    total`` is the unnormalised sum, which shards of a cloud add up (chapter 13).
+    Differentiable in ``feats``; the totals carry no gradient."""
+    radius, sigma = checks.check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    out, totals, *_ = checks.call_checked(
+        _call, "radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp
+    )
+    return out, totals
 
 
 BACKEND = register(

@@ -1,0 +1,165 @@
+"""Timing the layouts on one, two or four devices (chapter 13).
+
+:func:`measure` runs on every rank of a launch of ``max(worlds)`` ranks. For each world
+size ``w`` it forms the group of the first ``w`` ranks (the others wait), and for each
+layout and cloud size it times the forward pass and the training step by the book's
+protocol: warm-up, then blocks of ``n_iters`` calls
+(:func:`~extkernels.timing.time_blocks`).
+A rank's time is the median block; the row keeps the slowest rank's, since a step ends
+when its last rank does. One launch is one run; the command repeats launches in fresh
+processes and reports medians and spreads over them.
+
+With ``profile``, rank 0 profiles training steps of the largest size in the
+``reference`` layout at the largest world size, and :func:`communication_share` sums
+the device time of the collectives' kernels (NCCL's on a GPU, gloo's operators on the
+CPU).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from torch.autograd import DeviceType
+
+from ..ops.checks import value_checks
+from ..problem import Problem
+from ..profiling import profile, top_kernels
+from ..timing import peak_memory_mb, time_blocks
+from .setups import make_setup
+
+__all__ = ["measure", "communication_share", "table"]
+
+
+def communication_share(prof) -> dict:
+    """Milliseconds per iteration spent in communication, and its share of all device
+    time (on the CPU: of the operators' own CPU time)."""
+    n = getattr(prof, "n_iters", 1)
+    on_gpu = getattr(prof, "device_type", "cpu") == "cuda"
+    total = comm = 0.0
+    for e in prof.key_averages():
+        if on_gpu and e.device_type == DeviceType.CUDA:
+            t = e.self_device_time_total
+            is_comm = "nccl" in e.key.lower()
+        elif not on_gpu and e.device_type == DeviceType.CPU:
+            t = e.self_cpu_time_total
+            is_comm = "gloo" in e.key.lower() or "c10d" in e.key.lower()
+        else:
+            continue
+        total += t
+        comm += t if is_comm else 0.0
+    return {
+        "comm_ms": comm / 1e3 / n,
+        "total_ms": total / 1e3 / n,
+        "comm_share": comm / total if total else math.nan,
+    }
+
+
+def _time(setup, prob: Problem, blocks: int) -> dict:
+    step = setup.train_step()
+    for _ in range(prob.n_warmup):
+        setup.forward()
+        step()
+    with value_checks(False):
+        fwd = time_blocks(setup.forward, prob.n_iters, blocks)
+        train = time_blocks(step, prob.n_iters, blocks)
+        peak = peak_memory_mb(step, setup.p_ref.device)
+    return {"forward_ms": fwd[0], "train_ms": train[0], "peak_mb": peak}
+
+
+def _slowest(row: dict, group, world: int) -> dict:
+    if world == 1:
+        return row
+    rows = [None] * world
+    dist.all_gather_object(rows, row, group=group)
+    return {k: max(r[k] for r in rows) for k in row}
+
+
+def measure(
+    device: torch.device,
+    workload: str,
+    prob: Problem,
+    *,
+    sizes: list[int],
+    worlds: list[int],
+    layouts: list[str],
+    backend: str = "fused",
+    compile: bool = False,
+    blocks: int = 3,
+    profile_steps: int = 0,
+) -> dict:
+    """Time every (world, layout, size) of one workload; call on every rank.
+
+    Returns:
+        ``{"rows": [...], "profile": {...} or None}`` (rank 0's is the one to keep):
+        a row per configuration with ``workload``, ``layout``, ``world``, ``n_ref``,
+        ``n_query``, ``forward_ms``, ``train_ms`` and ``peak_mb`` (the slowest
+        rank's); the profile's communication share and top kernels.
+    """
+    rank = dist.get_rank()
+    out_rows, prof_out = [], None
+    for w in worlds:
+        group = dist.new_group(list(range(w)))  # every rank takes part in creating it
+        for layout in layouts:
+            if layout == "single" and w != 1:
+                continue
+            for n in sizes:
+                if rank < w:
+                    setup = make_setup(
+                        workload,
+                        layout,
+                        prob,
+                        device=device,
+                        n_ref=n,
+                        backend=backend,
+                        compile=compile,
+                        group=group,
+                    )
+                    row = _slowest(_time(setup, prob, blocks), group, w)
+                    last = w == max(worlds) and n == max(sizes)
+                    if profile_steps and layout == "reference" and last:
+                        step = setup.train_step()
+                        if rank == 0:
+                            prof = profile(step, device=device, n_iters=profile_steps)
+                            prof_out = {
+                                "world": w,
+                                "n_ref": n,
+                                **communication_share(prof),
+                                "top": top_kernels(prof, top=10).to_dict("records"),
+                            }
+                        else:
+                            for _ in range(1 + profile_steps):
+                                step()
+                    if rank == 0:
+                        out_rows.append(
+                            {
+                                "workload": workload,
+                                "layout": layout + ("+compile" if compile else ""),
+                                "world": w,
+                                "n_ref": n,
+                                "n_query": prob.n_query,
+                                **row,
+                            }
+                        )
+                    del setup
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                dist.barrier()
+    return {"rows": out_rows, "profile": prof_out}
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    """Rows of repeated launches as one table: median and range over the runs."""
+    df = pd.DataFrame(rows)
+    keys = ["workload", "layout", "world", "n_ref", "n_query"]
+    runs = df.groupby(keys, sort=False)
+    out = runs[["forward_ms", "train_ms", "peak_mb"]].median()
+    for metric in ("forward", "train"):
+        out[f"{metric}_min"] = runs[f"{metric}_ms"].min()
+        out[f"{metric}_max"] = runs[f"{metric}_ms"].max()
+    out["runs"] = runs.size()
+    return out.reset_index()

@@ -1,0 +1,183 @@
+"""The scaling command's results as the chapter shows them (chapter 13).
+
+``python -m extkernels.distributed bench --out FILE`` writes ``meta`` (hardware, date,
+versions, command), ``runs`` (one row per configuration and launch) and ``profiles``.
+:func:`load` reads it back as one table of medians and spreads over the launches
+(:func:`~.bench.table`); :func:`strong`, :func:`speedups` and :func:`weak` lay it out
+for the page, and :func:`pays_from` finds the cloud size from which several ranks beat
+one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from .bench import table
+
+__all__ = [
+    "load",
+    "frame",
+    "label",
+    "strong",
+    "speedups",
+    "weak",
+    "pays_from",
+    "communication",
+    "traffic",
+]
+
+
+def load(path: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    """``(meta, table, profiles)`` of a file of the scaling command."""
+    data = json.loads(Path(path).read_text())
+    return data["meta"], frame(data["runs"]), pd.DataFrame(data["profiles"])
+
+
+def frame(runs: list[dict]) -> pd.DataFrame:
+    """Rows of the scaling command's launches as one table (:func:`~.bench.table`),
+    each configuration named (:func:`label`)."""
+    tab = table(runs)
+    tab["config"] = [label(r.layout, r.world) for r in tab.itertuples()]
+    return tab
+
+
+def label(layout: str, world: int) -> str:
+    """How a configuration is named on the page: ``one device``, ``queries x 2``..."""
+    if layout == "single":
+        return "one device"
+    return f"{layout} x {world}"
+
+
+def _cell(ms: float, lo: float, hi: float) -> str:
+    return f"{ms:.3g} ({lo:.3g}–{hi:.3g})"
+
+
+def _grid(tab: pd.DataFrame, values: pd.Series) -> pd.DataFrame:
+    out = (
+        tab.assign(value=values)
+        .pivot(index=["workload", "n_ref"], columns="config", values="value")
+        .rename_axis(index=["workload", "N"], columns=None)
+    )
+    order = ["one device"] + sorted(c for c in out if c != "one device")
+    return out[[c for c in order if c in out]]
+
+
+def strong(tab: pd.DataFrame, metric: str = "train") -> pd.DataFrame:
+    """Milliseconds of every configuration, median (min–max) of the launches: a row per
+    workload and cloud size, a column per configuration."""
+    cells = [
+        _cell(ms, lo, hi)
+        for ms, lo, hi in zip(
+            tab[f"{metric}_ms"], tab[f"{metric}_min"], tab[f"{metric}_max"], strict=True
+        )
+    ]
+    return _grid(tab, pd.Series(cells, index=tab.index)).fillna("")
+
+
+def speedups(tab: pd.DataFrame, metric: str = "train") -> pd.DataFrame:
+    """Every configuration's speedup over ``one device`` (ratio of medians), a row per
+    workload and cloud size."""
+    ms = f"{metric}_ms"
+    base = tab[tab["layout"] == "single"].set_index(["workload", "n_ref"])[ms]
+    ratio = [
+        base.get((w, n), math.nan) / t
+        for w, n, t in zip(tab["workload"], tab["n_ref"], tab[ms], strict=True)
+    ]
+    return _grid(tab, pd.Series(ratio, index=tab.index)).round(2)
+
+
+def weak(
+    tab: pd.DataFrame, layout: str = "reference", metric: str = "train"
+) -> pd.DataFrame:
+    """Weak scaling of ``layout``: for each cloud size ``n`` timed on one rank, the
+    times with ``w`` ranks and ``w * n`` points, and the efficiency ``t(1, n) / t(w, w
+    * n)`` (1 is perfect)."""
+    ms = f"{metric}_ms"
+    mine = tab[tab["layout"] == layout].set_index(["workload", "world", "n_ref"])[ms]
+    rows = []
+    for (workload, world, n), t in mine.items():
+        if world != 1:
+            continue
+        for w in sorted({w for _, w, _ in mine.index if w > 1}):
+            key = (workload, w, n * w)
+            if key in mine.index:
+                rows.append(
+                    {
+                        "workload": workload,
+                        "points per rank": n,
+                        "ranks": w,
+                        "one rank (ms)": round(t, 3),
+                        f"{w} ranks (ms)": round(mine[key], 3),
+                        "efficiency": round(t / mine[key], 2),
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def pays_from(tab: pd.DataFrame, config: str, metric: str = "train") -> dict:
+    """Per workload, the smallest cloud from which ``config`` beats ``one device`` at
+    every larger size measured, its slowest launch below one device's fastest (NaN
+    when it never does)."""
+    out = {}
+    for workload, part in tab.groupby("workload", sort=False):
+        a = part[part["config"] == config].set_index("n_ref")
+        b = part[part["config"] == "one device"].set_index("n_ref")
+        found = math.nan
+        for n in sorted(set(a.index) & set(b.index), reverse=True):
+            if a.loc[n, f"{metric}_max"] < b.loc[n, f"{metric}_min"]:
+                found = n
+            else:
+                break
+        out[workload] = float(found)
+    return out
+
+
+def communication(profiles: pd.DataFrame) -> pd.DataFrame:
+    """The profiled training steps: communication per step and its share of the
+    device time."""
+    cols = ["workload", "world", "n_ref", "comm_ms", "total_ms", "comm_share"]
+    out = profiles[cols].copy()
+    out["comm_share"] = (100 * out["comm_share"]).round(1)
+    return out.rename(
+        columns={
+            "n_ref": "N",
+            "comm_ms": "communication (ms)",
+            "total_ms": "device time (ms)",
+            "comm_share": "communication (%)",
+        }
+    ).round(3)
+
+
+def traffic(m: int, k: int, f: int, world: int, params: int) -> pd.DataFrame:
+    """What each layout moves between ranks in one training step, in KiB that a rank
+    receives (float32 values, int64 indices; an all-reduce counted as DDP's ring moves
+    it, ``2 (W - 1) / W`` times the gradients)."""
+    chunk = -(-m // world)
+    others = world - 1
+    ring = 2 * others / world * params * 4
+    rows = [
+        ("queries", "DDP: all-reduce of the gradients", "both", ring),
+        ("reference", "kNN candidates: all-gather", "kNN", others * m * k * 12),
+        ("reference", "partial sums: reduce-scatter", "kNN", others * chunk * f * 4),
+        (
+            "reference",
+            "partial sums: reduce-scatter",
+            "radius",
+            others * chunk * (f + 1) * 4,
+        ),
+        ("reference", "their gradient: all-gather", "kNN", others * chunk * f * 4),
+        (
+            "reference",
+            "their gradient: all-gather",
+            "radius",
+            others * chunk * (f + 1) * 4,
+        ),
+        ("reference", "DDP: all-reduce of the gradients", "both", ring),
+    ]
+    out = pd.DataFrame(rows, columns=["layout", "exchange", "workload", "KiB"])
+    out["KiB"] = (out["KiB"] / 1024).round(1)
+    return out
