@@ -14,7 +14,12 @@ MAX_LINES = 400
 #: The experiment layers: what drives the chapters and the benchmark. Library layers
 #: (data, models, ops, training, timing, graphs, profiling, plotting, ...) never import
 #: them.
-EXPERIMENTS = ("extkernels.variants", "extkernels.benchmark", "extkernels.experiments")
+EXPERIMENTS = (
+    "extkernels.variants",
+    "extkernels.benchmark",
+    "extkernels.experiments",
+    "extkernels.distributed.report",  # chapter 13's tables, from chapter 12's crossover
+)
 #: Imports inside functions, each for a reason: the module imports an optional library.
 LAZY = {
     ("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp",

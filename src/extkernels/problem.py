@@ -70,6 +70,10 @@ class Problem:
             return torch.cuda.get_device_name(self.device)
         return "CPU"
 
+    def cloud_size(self, workload: str) -> int:
+        """Reference points of ``workload`` (``"knn"`` or ``"radius"``)."""
+        return self.n_ref if workload == "knn" else self.n_ref_radius
+
     def with_sizes(self, **sizes) -> Problem:
         """A copy with some sizes changed (used by the scaling sweeps)."""
         return replace(self, **sizes)

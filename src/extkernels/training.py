@@ -23,12 +23,15 @@ def make_train_step(
     target: torch.Tensor,
     lr: float = 1e-3,
     capturable: bool = False,
+    objective: Callable[[], torch.Tensor] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A closure doing one training step: zero_grad, forward, MSE, backward, Adam step.
 
     ``model`` may be a compiled module; ``params`` are the parameters Adam updates. With
     ``capturable``, Adam keeps its step count on the device, so that the step can be
-    captured in a CUDA graph (:mod:`extkernels.graphs`).
+    captured in a CUDA graph (:mod:`extkernels.graphs`). ``objective`` computes the
+    loss instead of the mean squared error of ``model(p_query, p_ref)`` against
+    ``target`` (chapter 13: each rank's share of a loss over all ranks).
 
     Returns:
         ``step()`` returning the (detached) loss.
@@ -44,7 +47,10 @@ def make_train_step(
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(p_query, p_ref), target)
+        if objective is not None:
+            loss = objective()
+        else:
+            loss = F.mse_loss(model(p_query, p_ref), target)
         loss.backward()
         optimizer.step()
         return loss.detach()

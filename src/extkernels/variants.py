@@ -96,7 +96,7 @@ class Variant:
         Returns:
             ``(model, run, (p_query, p_ref, target))``.
         """
-        n_ref = prob.n_ref if self.workload == "knn" else prob.n_ref_radius
+        n_ref = prob.cloud_size(self.workload)
         p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
         p_query = query_grid(prob.grid_side, device=prob.device)
         target = targets(prob.n_query, seed=prob.seed, device=prob.device)

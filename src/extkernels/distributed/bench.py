@@ -28,7 +28,8 @@ from torch.autograd import DeviceType
 from ..ops.checks import value_checks
 from ..problem import Problem
 from ..profiling import profile, top_kernels
-from ..timing import peak_memory_mb, time_blocks
+from ..timing import peak_memory_mb, time_blocks, timings_frame
+from .launch import max_over_ranks
 from .setups import make_setup
 
 __all__ = ["measure", "communication_share", "table"]
@@ -68,14 +69,6 @@ def _time(setup, prob: Problem, blocks: int) -> dict:
         train = time_blocks(step, prob.n_iters, blocks)
         peak = peak_memory_mb(step, setup.p_ref.device)
     return {"forward_ms": fwd[0], "train_ms": train[0], "peak_mb": peak}
-
-
-def _slowest(row: dict, group, world: int) -> dict:
-    if world == 1:
-        return row
-    rows = [None] * world
-    dist.all_gather_object(rows, row, group=group)
-    return {k: max(r[k] for r in rows) for k in row}
 
 
 def measure(
@@ -118,7 +111,7 @@ def measure(
                         compile=compile,
                         group=group,
                     )
-                    row = _slowest(_time(setup, prob, blocks), group, w)
+                    row = max_over_ranks(_time(setup, prob, blocks), group)
                     last = w == max(worlds) and n == max(sizes)
                     if profile_steps and layout == "reference" and last:
                         step = setup.train_step()
@@ -153,13 +146,10 @@ def measure(
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
-    """Rows of repeated launches as one table: median and range over the runs."""
-    df = pd.DataFrame(rows)
+    """Rows of repeated launches as one table: median and range over the runs
+    (:func:`~extkernels.timing.timings_frame`, a configuration per variant)."""
     keys = ["workload", "layout", "world", "n_ref", "n_query"]
-    runs = df.groupby(keys, sort=False)
-    out = runs[["forward_ms", "train_ms", "peak_mb"]].median()
-    for metric in ("forward", "train"):
-        out[f"{metric}_min"] = runs[f"{metric}_ms"].min()
-        out[f"{metric}_max"] = runs[f"{metric}_ms"].max()
-    out["runs"] = runs.size()
-    return out.reset_index()
+    named = [dict(r, variant="/".join(str(r[k]) for k in keys)) for r in rows]
+    out = timings_frame(named).drop(columns=["run"], errors="ignore")
+    out = out.astype({"world": int, "n_ref": int, "n_query": int})  # not medians
+    return out.reset_index(drop=True).rename(columns={"repeats": "runs"})

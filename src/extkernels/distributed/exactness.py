@@ -15,15 +15,14 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import data
 from ..ops import knn
 from ..problem import Problem
+from .launch import max_over_ranks
 from .ops import sharded_knn
-from .setups import make_setup, sharded_projector, single_projector
+from .setups import ddp, make_setup, sharded_projector, single_projector
 
 __all__ = ["compare", "within_float32", "same_neighbours", "compile_report"]
 
@@ -81,7 +80,7 @@ def compare(
         ``grad_scale`` they compare with) and ``same_neighbours`` (kNN in the
         ``reference`` layout; ``None`` otherwise).
     """
-    n_ref = n_ref or (prob.n_ref if workload == "knn" else prob.n_ref_radius)
+    n_ref = n_ref or prob.cloud_size(workload)
     torch.manual_seed(prob.seed)
     whole = single_projector(workload, prob, backend)
     state = {k: v.clone() for k, v in whole.state_dict().items()}
@@ -136,12 +135,7 @@ def compare(
             for a, b in zip(mine.module.parameters(), whole.parameters(), strict=True)
         ),
     }
-    gathered = [None] * (dist.get_world_size() if layout != "single" else 1)
-    if layout != "single":
-        dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
-    out = {key: max(g[key] for g in gathered) for key in local}
+    out = max_over_ranks(local)
     out["same_neighbours"] = same
     out["workload"], out["layout"], out["compiled"] = workload, layout, compile
     out["world"], out["n_ref"], out["n_query"] = mine.world, n_ref, rows.n
@@ -166,7 +160,7 @@ def compile_report(
         (else the first line) of the error that ``torch.compile(DDP(...),
         fullgraph=True)`` raises.
     """
-    n_ref = n_ref or (prob.n_ref if workload == "knn" else prob.n_ref_radius)
+    n_ref = n_ref or prob.cloud_size(workload)
     # Dynamo's note that it ignores DDP's profiler ranges, once per rank and workload
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     module = sharded_projector(workload, n_ref, prob, backend).to(device)
@@ -174,11 +168,10 @@ def compile_report(
     p_ref = module.rows.of(data.reference_cloud(n_ref, seed=prob.seed)).to(device)
     bare = torch._dynamo.explain(module)(p_query, p_ref)
     torch._dynamo.reset()
-    ids = [device.index] if device.type == "cuda" else None
-    wrapped = torch._dynamo.explain(DDP(module, device_ids=ids))(p_query, p_ref)
+    wrapped = torch._dynamo.explain(ddp(module, device))(p_query, p_ref)
     torch._dynamo.reset()
     try:
-        torch.compile(DDP(module, device_ids=ids), fullgraph=True)(p_query, p_ref)
+        torch.compile(ddp(module, device), fullgraph=True)(p_query, p_ref)
         whole = "compiles"
     except Exception as error:  # the error is the finding
         lines = [line.strip() for line in str(error).strip().splitlines()]

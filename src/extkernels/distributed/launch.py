@@ -32,6 +32,7 @@ __all__ = [
     "under_torchrun",
     "rank",
     "hardware",
+    "max_over_ranks",
 ]
 
 #: Environment every rank runs with.
@@ -143,3 +144,14 @@ def hardware(world: int, device: str | None = None) -> str:
     if gpus >= world:
         return f"{world} x {torch.cuda.get_device_name(0)} (NCCL)"
     return f"{world} CPU processes (gloo)"
+
+
+def max_over_ranks(values: dict, group=None) -> dict:
+    """Each of ``values`` (numbers) at its largest over the ranks of ``group``; call on
+    every rank."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return dict(values)
+    every = [None] * world
+    dist.all_gather_object(every, values, group=group)
+    return {key: max(v[key] for v in every) for key in values}

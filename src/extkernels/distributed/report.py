@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..experiments.scaling import crossover
 from .bench import table
 
 __all__ = [
@@ -122,18 +123,20 @@ def pays_from(tab: pd.DataFrame, config: str, metric: str = "train") -> dict:
     """Per workload, the smallest cloud from which ``config`` beats ``one device`` at
     every larger size measured, its slowest launch below one device's fastest (NaN
     when it never does)."""
-    out = {}
-    for workload, part in tab.groupby("workload", sort=False):
-        a = part[part["config"] == config].set_index("n_ref")
-        b = part[part["config"] == "one device"].set_index("n_ref")
-        found = math.nan
-        for n in sorted(set(a.index) & set(b.index), reverse=True):
-            if a.loc[n, f"{metric}_max"] < b.loc[n, f"{metric}_min"]:
-                found = n
-            else:
-                break
-        out[workload] = float(found)
-    return out
+    return {
+        workload: crossover(
+            part.assign(
+                status="ok",
+                backend=part["config"],
+                min=part[f"{metric}_min"],
+                max=part[f"{metric}_max"],
+            ),
+            config,
+            "one device",
+            "n_ref",
+        )
+        for workload, part in tab.groupby("workload", sort=False)
+    }
 
 
 def communication(profiles: pd.DataFrame) -> pd.DataFrame:

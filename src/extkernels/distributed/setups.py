@@ -31,10 +31,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import data
 from ..models import KnnAggregation, Projector, RadiusAggregation
 from ..problem import Problem
+from ..training import make_train_step
 from . import shards
 from .ops import ShardedProjector
 
-__all__ = ["LAYOUTS", "Setup", "single_projector", "sharded_projector", "make_setup"]
+__all__ = [
+    "LAYOUTS",
+    "Setup",
+    "single_projector",
+    "sharded_projector",
+    "ddp",
+    "make_setup",
+]
 
 LAYOUTS = ("single", "queries", "reference")
 
@@ -66,6 +74,12 @@ def sharded_projector(
         backend=backend,
         group=group,
     )
+
+
+def ddp(module: nn.Module, device: torch.device, group=None) -> DDP:
+    """``module`` under ``DistributedDataParallel`` on this rank's device."""
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(module, device_ids=ids, process_group=group)
 
 
 @dataclass
@@ -101,20 +115,17 @@ class Setup:
         return sse * (self.world / self.rows.n)
 
     def train_step(self, lr: float = 1e-3) -> Callable[[], torch.Tensor]:
-        """A closure doing one training step: zero_grad, forward, loss, backward,
-        Adam (fused on a GPU, as :func:`~extkernels.training.make_train_step`)."""
-        params = list(self.module.parameters())
-        fused = all(p.is_cuda for p in params)
-        optimizer = torch.optim.Adam(params, lr=lr, fused=fused or None)
-
-        def step() -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = self.loss()
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
-
-        return step
+        """A closure doing one training step of :meth:`loss`
+        (:func:`~extkernels.training.make_train_step`)."""
+        return make_train_step(
+            self.model,
+            self.module.parameters(),
+            self.p_query,
+            self.p_ref,
+            self.target,
+            lr=lr,
+            objective=self.loss,
+        )
 
 
 def make_setup(
@@ -141,7 +152,7 @@ def make_setup(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    n_ref = n_ref or (prob.n_ref if workload == "knn" else prob.n_ref_radius)
+    n_ref = n_ref or prob.cloud_size(workload)
     if state is None:
         torch.manual_seed(prob.seed)
         state = single_projector(workload, prob, backend).state_dict()
@@ -165,8 +176,7 @@ def make_setup(
     module.to(device)
     model = torch.compile(module, fullgraph=True) if compile else module
     if layout != "single":
-        ids = [device.index] if device.type == "cuda" else None
-        model = DDP(model, device_ids=ids, process_group=group)
+        model = ddp(model, device, group)
     return Setup(
         model=model,
         module=module,
