@@ -20,13 +20,16 @@ import torch
 
 from .. import checks, cpp
 from ..registry import Backend, register
-from .build import DEFAULT_LANES, LANES
+from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
 __all__ = [
     "BACKEND",
+    "DEFAULT_INDEX",
     "DEFAULT_LANES",
+    "INDEXES",
     "LANES",
     "available",
+    "knn_work",
     "prepare",
     "radius_aggregate_with_totals",
 ]
@@ -55,12 +58,31 @@ def _call(name, *args):
     )
 
 
-def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES):
-    return _call("knn", p_query, p_ref, k, lanes)
+def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES, index: str = DEFAULT_INDEX):
+    return _call("knn", p_query, p_ref, k, lanes, index)
 
 
-def _knn_aggregate(p_query, p_ref, feats, k, sigma, *, lanes: int = DEFAULT_LANES):
-    return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes)[0]
+def _knn_aggregate(
+    p_query,
+    p_ref,
+    feats,
+    k,
+    sigma,
+    *,
+    lanes: int = DEFAULT_LANES,
+    index: str = DEFAULT_INDEX,
+):
+    return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes, index)[0]
+
+
+def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:
+    """What each query's search does, replayed on the CPU (chapter 14): ``(M, 2)``
+    int64, the cells (``index="grid"``) or node boxes (``"tree"``) it looks into and
+    the reference points whose distance it computes. The walks are the GPU kernels'
+    (the grid's rings of chapter 9, the tree's nearest-box-first descent), so the work
+    is the same wherever the tensors live."""
+    k = checks.check_knn(p_query, p_ref, k)
+    return _call("knn_work", p_query.cpu(), p_ref.cpu(), k, index)
 
 
 def _radius_aggregate(p_query, p_ref, feats, radius, sigma, *, warp: bool = True):

@@ -9,7 +9,15 @@ from pathlib import Path
 
 from ..cpp import build as cpp_build
 
-__all__ = ["CSRC", "DEFAULT_LANES", "LANES", "sources", "load"]
+__all__ = [
+    "CSRC",
+    "DEFAULT_INDEX",
+    "DEFAULT_LANES",
+    "INDEXES",
+    "LANES",
+    "sources",
+    "load",
+]
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -20,11 +28,18 @@ LANES = (1, 4, 8, 16, 32)
 #: ``csrc/fused.cpp`` hold the same number.
 DEFAULT_LANES = 4
 
+#: The kNN operators' indexes: the wide tree over the points in Morton order (chapter
+#: 14) and chapter 9's uniform grid (searched with ``lanes`` threads per query).
+INDEXES = ("tree", "grid")
+
+#: The default index; the schemas in ``csrc/fused.cpp`` hold the same name.
+DEFAULT_INDEX = "tree"
+
 
 def sources(cuda: bool) -> list[Path]:
     """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
     files = [CSRC / "fused.cpp"]
-    return files + [CSRC / "fused_cuda.cu"] if cuda else files
+    return files + [CSRC / "fused_cuda.cu", CSRC / "tree_cuda.cu"] if cuda else files
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from .. import checks
 from ..checks import check_knn, check_radius_aggregate
 from ..cpp import ops as cpp_ops
 from . import build
-from .build import DEFAULT_LANES, LANES
+from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
 __all__ = ["GRID_PARAMS_BYTES", "cell_capacity"]
 
@@ -33,6 +33,12 @@ def cell_capacity(n: int) -> int:
     return max(8 * n, 1)
 
 
+def _check_index(index: str) -> str:
+    if index not in INDEXES:
+        raise ValueError(f'index: expected "tree" or "grid", got "{index}"')
+    return index
+
+
 def _check_lanes(lanes: int) -> int:
     if lanes not in LANES:
         raise ValueError(
@@ -42,21 +48,32 @@ def _check_lanes(lanes: int) -> int:
 
 
 @torch.library.register_fake("extkernels_fused::knn")
-def _knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES):
+def _knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
     k = cpp_ops._check_max_k(check_knn(p_query, p_ref, k, values=False))
     _check_lanes(lanes)
+    _check_index(index)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
 
 @torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")
-def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma, lanes=DEFAULT_LANES):
+def _knn_aggregate_fwd_fake(
+    p_query, p_ref, feats, k, sigma, lanes=DEFAULT_LANES, index=DEFAULT_INDEX
+):
     _check_lanes(lanes)
+    _check_index(index)
     return cpp_ops._knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
 
 
+@torch.library.register_fake("extkernels_fused::knn_work")
+def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
+    check_knn(p_query, p_ref, k, values=False)
+    _check_index(index)
+    return p_query.new_empty((p_query.shape[0], 2), dtype=torch.int64)
+
+
 def _knn_setup_context(ctx, inputs, output):
-    _, p_ref, _, _, _, _ = inputs
+    _, p_ref, *_ = inputs
     _, weights, indices = output
     ctx.save_for_backward(weights, indices)
     ctx.n_ref = p_ref.shape[0]
@@ -64,7 +81,7 @@ def _knn_setup_context(ctx, inputs, output):
 
 def _knn_backward(ctx, grad_out, _grad_weights, _grad_indices):
     grad_feats = cpp_ops._backward(ctx, grad_out, _grad_weights, _grad_indices)[2]
-    return None, None, grad_feats, None, None, None
+    return None, None, grad_feats, None, None, None, None
 
 
 torch.library.register_autograd(

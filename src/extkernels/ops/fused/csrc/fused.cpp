@@ -1,10 +1,13 @@
-// The fused backend (chapter 11): schemas, and the CPU kernels.
+// The fused backend (chapters 11 and 14): schemas, and the CPU kernels.
 //
-// On the GPU (fused_cuda.cu) the kNN search runs with a group of `lanes` threads per
-// query and does the softmax and the gather in the same kernel; on the CPU the kNN
-// operators are the C++ backend's kernels (chapter 9), reached through the dispatcher:
-// one algorithm, and the lanes are a GPU matter. The radius aggregation walks the same
-// grid on both devices (radius.h).
+// The kNN operators search one of two indexes, chosen per call by `index`:
+// - "tree" (chapter 14): the wide tree of tree.h over the points in Morton order; on the
+//   GPU (tree_cuda.cu) one warp per query, with the softmax and the gather in the same
+//   kernel; on the CPU tree_cpu.h, the same tree and the same pruning.
+// - "grid" (chapter 11): chapter 9's uniform grid; on the GPU (fused_cuda.cu) a group of
+//   `lanes` threads per query; on the CPU the C++ backend's kernels (chapter 9), reached
+//   through the dispatcher.
+// The radius aggregation walks the grid on both devices (radius.h).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -20,6 +23,8 @@
 #include "grid.h"
 #include "grid_cpu.h"
 #include "radius.h"
+#include "tree.h"
+#include "tree_cpu.h"
 
 namespace extkernels {
 
@@ -28,25 +33,142 @@ namespace {
 using KnnOut = std::tuple<at::Tensor, at::Tensor>;
 using AggregateOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-KnnOut knn_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
-               int64_t lanes) {
-  check_lanes(lanes);
+KnnOut knn_grid_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("extkernels_cpp::knn", "")
                        .typed<KnnOut(const at::Tensor&, const at::Tensor&, int64_t)>();
   return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), p_query, p_ref, k);
 }
 
+// The k nearest of every query by the tree: squared distances and rows, (M, k) each.
+KnnOut knn_tree_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k) {
+  const Tree t = build_tree_cpu(p_ref);
+  const int64_t m = p_query.size(0), n = p_ref.size(0);
+  at::Tensor d2 = at::empty({m, k}, p_query.options());
+  at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
+  const float* q = p_query.data_ptr<float>();
+  float* d = d2.data_ptr<float>();
+  int64_t* idx = indices.data_ptr<int64_t>();
+  EK_DISPATCH_KMAX(k, {
+    at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+      TopK<KMAX> best;
+      for (int64_t row = begin; row < end; ++row) {
+        best.init((int)k);
+        tree_search_cpu(q + 3 * row, t, n, best);
+        for (int64_t j = 0; j < k; ++j) {
+          d[row * k + j] = best.d[j];
+          idx[row * k + j] = best.i[j];
+        }
+      }
+    });
+  });
+  return {d2, indices};
+}
+
+KnnOut knn_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+               int64_t lanes, c10::string_view index) {
+  check_lanes(lanes);
+  if (check_index(index) == Index::Grid) return knn_grid_cpu(p_query, p_ref, k);
+  check_clouds(p_query, p_ref);
+  check_k(k, p_ref.size(0));
+  check_finite(p_query, p_ref, /*capturing=*/false);
+  auto [d2, indices] = knn_tree_cpu(p_query, p_ref, k);
+  return {d2.sqrt_(), indices};
+}
+
 AggregateOut knn_aggregate_fwd_cpu(const at::Tensor& p_query, const at::Tensor& p_ref,
                                    const at::Tensor& feats, int64_t k, double sigma,
-                                   int64_t lanes) {
+                                   int64_t lanes, c10::string_view index) {
   check_lanes(lanes);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("extkernels_cpp::knn_aggregate_fwd", "")
-                       .typed<AggregateOut(const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, int64_t, double)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), p_query, p_ref, feats,
-                       k, sigma);
+  if (check_index(index) == Index::Grid) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("extkernels_cpp::knn_aggregate_fwd", "")
+                         .typed<AggregateOut(const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&, int64_t, double)>();
+    return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), p_query, p_ref,
+                         feats, k, sigma);
+  }
+  check_clouds(p_query, p_ref);
+  check_feats(feats, p_ref);
+  check_k(k, p_ref.size(0));
+  check_sigma(sigma);
+  check_finite(p_query, p_ref, /*capturing=*/false);
+  auto [d2, indices] = knn_tree_cpu(p_query, p_ref, k);
+  // softmax(-d / sigma) over the k, shifted by the nearest (as the CUDA kernels do)
+  const at::Tensor d = d2.sqrt_();
+  at::Tensor weights = at::exp((d.narrow(1, 0, 1) - d) * (1.0 / sigma));
+  weights.div_(weights.sum(1, /*keepdim=*/true));
+  static auto gather = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("extkernels_cpp::gather", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&, bool)>();
+  at::Tensor out = gather.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), weights,
+                                     indices, feats, false);
+  return {out, weights, indices};
+}
+
+// The grid's ring search of grid.h, counting the cells it looks into and the points it
+// tests.
+template <int KMAX>
+void grid_search_counted(const float* q, const Sorted& s, TopK<KMAX>& best, Work& w) {
+  const Rings R = rings_of(q, s.g);
+  const auto* ref = reinterpret_cast<const Point4*>(s.ref.data_ptr<float>());
+  const int32_t* start = s.start.data_ptr<int32_t>();
+  auto cells_within = [&](int64_t r) -> int64_t {  // cells of the grid within ring r
+    int64_t cells = r < 0 ? 0 : 1;
+    for (int a = 0; a < 3 && cells > 0; ++a) {
+      const int64_t lo = std::max<int64_t>(R.c[a] - r, 0);
+      const int64_t hi = std::min<int64_t>(R.c[a] + r, s.g.dims[a] - 1);
+      cells *= hi >= lo ? hi - lo + 1 : 0;
+    }
+    return cells;
+  };
+  for (int64_t r = R.first; r <= R.last; ++r) {
+    for_ring(R, r, s.g, start, [&](int32_t begin, int32_t end) {
+      for (int32_t j = begin; j < end; ++j) {
+        const Point4 p = ref[j];
+        const float dx = q[0] - p.x, dy = q[1] - p.y, dz = q[2] - p.z;
+        best.push(dx * dx + dy * dy + dz * dz, p.index);
+      }
+      w.points += end - begin;
+    });
+    w.boxes += cells_within(r) - cells_within(r - 1);
+    const float bound = ((float)r * s.g.h + R.inside) * (1.0f - 1e-5f);
+    if (best.worst() <= bound * bound) break;
+  }
+}
+
+// The work of every query's search: (M, 2) int64, the cells (grid) or boxes (tree) it
+// looked into and the points it tested. On the CPU: the same walks as the GPU's.
+at::Tensor knn_work_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+                        c10::string_view index) {
+  const Index which = check_index(index);
+  check_clouds(p_query, p_ref);
+  check_k(k, p_ref.size(0));
+  check_finite(p_query, p_ref, /*capturing=*/false);
+  const int64_t m = p_query.size(0), n = p_ref.size(0);
+  at::Tensor work = at::zeros({m, 2}, p_query.options().dtype(at::kLong));
+  int64_t* out = work.data_ptr<int64_t>();
+  const float* q = p_query.data_ptr<float>();
+  const Tree t = which == Index::Tree ? build_tree_cpu(p_ref) : Tree{};
+  const Sorted s = which == Index::Grid ? build_grid_cpu(p_ref) : Sorted{};
+  EK_DISPATCH_KMAX(k, {
+    at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+      TopK<KMAX> best;
+      for (int64_t row = begin; row < end; ++row) {
+        best.init((int)k);
+        Work w;
+        if (which == Index::Tree) {
+          tree_search_cpu(q + 3 * row, t, n, best, &w);
+        } else {
+          grid_search_counted(q + 3 * row, s, best, w);
+        }
+        out[2 * row] = w.boxes;
+        out[2 * row + 1] = w.points;
+      }
+    });
+  });
+  return work;
 }
 
 // The grid as the radius operators hand it from forward to backward: sorted points,
@@ -144,10 +266,13 @@ at::Tensor radius_aggregate_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(extkernels_fused, m) {
-  m.def("knn(Tensor p_query, Tensor p_ref, int k, int lanes=4) -> (Tensor, Tensor)");
+  m.def(
+      "knn(Tensor p_query, Tensor p_ref, int k, int lanes=4, str index=\"tree\")"
+      " -> (Tensor, Tensor)");
   m.def(
       "knn_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, int k, float sigma,"
-      " int lanes=4) -> (Tensor, Tensor, Tensor)");
+      " int lanes=4, str index=\"tree\") -> (Tensor, Tensor, Tensor)");
+  m.def("knn_work(Tensor p_query, Tensor p_ref, int k, str index=\"tree\") -> Tensor");
   m.def(
       "radius_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, float radius,"
       " float sigma, bool warp=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -161,6 +286,7 @@ TORCH_LIBRARY(extkernels_fused, m) {
 TORCH_LIBRARY_IMPL(extkernels_fused, CPU, m) {
   m.impl("knn", &knn_cpu);
   m.impl("knn_aggregate_fwd", &knn_aggregate_fwd_cpu);
+  m.impl("knn_work", &knn_work_cpu);
   m.impl("radius_aggregate_fwd", &radius_aggregate_fwd_cpu);
   m.impl("radius_aggregate_bwd", &radius_aggregate_bwd_cpu);
 }

@@ -1,10 +1,11 @@
-// What the fused backend's CPU and CUDA kernels share (chapter 11): the grid handed from
-// the radius forward to its backward, and the checks of the arguments that the C++
-// backend's checks.h does not cover.
+// What the fused backend's CPU and CUDA kernels share (chapters 11 and 14): the grid
+// handed from the radius forward to its backward, and the checks of the arguments that
+// the C++ backend's checks.h does not cover.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <tuple>
 
 #include "checks.h"
@@ -27,6 +28,29 @@ inline void check_lanes(int64_t lanes) {
   TORCH_CHECK_VALUE(lanes == 1 || lanes == 4 || lanes == 8 || lanes == 16 || lanes == 32,
                     msg("lanes: expected 1, 4, 8, 16 or 32 threads per query, got ",
                         lanes));
+}
+
+// The tree of tree.h on the GPU (tree_cuda.cu): sorted points (n, 4) and node boxes
+// (n_nodes, 8), float32.
+struct TreeTensors {
+  at::Tensor ref, nodes;
+};
+TreeTensors build_tree_cuda(const at::Tensor& p_ref);
+// The search by the tree: distances (inv_sigma 0) or softmax weights into values, rows
+// into indices, and with feats (float32) the gather into out.
+void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+                   float inv_sigma, const at::Tensor* feats, at::Tensor* out,
+                   at::Tensor& values, at::Tensor& indices);
+
+// The kNN operators' index: the tree of tree.h (chapter 14) or chapter 9's grid.
+enum class Index { Tree, Grid };
+
+inline Index check_index(c10::string_view index) {
+  if (index == "tree") return Index::Tree;
+  if (index == "grid") return Index::Grid;
+  TORCH_CHECK_VALUE(false, msg("index: expected \"tree\" or \"grid\", got \"",
+                               std::string(index), "\""));
+  return Index::Tree;
 }
 
 inline void check_radius_args(const at::Tensor& p_query, const at::Tensor& p_ref,

@@ -341,8 +341,12 @@ void launch_lanes(int64_t lanes, int64_t m, cudaStream_t stream, const float* q,
 }
 
 void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
-            float inv_sigma, int64_t lanes, const at::Tensor* feats, at::Tensor* out,
-            at::Tensor& values, at::Tensor& indices) {
+            float inv_sigma, int64_t lanes, Index index, const at::Tensor* feats,
+            at::Tensor* out, at::Tensor& values, at::Tensor& indices) {
+  if (index == Index::Tree) {
+    knn_tree_cuda(p_query, p_ref, k, inv_sigma, feats, out, values, indices);
+    return;
+  }
   const SavedGrid d = build_grid(p_ref, /*deterministic=*/false);
   const int64_t m = p_query.size(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -361,27 +365,29 @@ void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
 
 std::tuple<at::Tensor, at::Tensor> knn_cuda(const at::Tensor& p_query,
                                             const at::Tensor& p_ref, int64_t k,
-                                            int64_t lanes) {
+                                            int64_t lanes, c10::string_view index) {
   check_clouds(p_query, p_ref);
   check_k(k, p_ref.size(0));
   check_lanes(lanes);
+  const Index which = check_index(index);
   const c10::cuda::CUDAGuard guard(p_query.device());
   check_finite(p_query, p_ref, capturing());
   const int64_t m = p_query.size(0);
   at::Tensor distances = at::empty({m, k}, p_query.options());
   at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
-  search(p_query, p_ref, k, 0.0f, lanes, nullptr, nullptr, distances, indices);
+  search(p_query, p_ref, k, 0.0f, lanes, which, nullptr, nullptr, distances, indices);
   return {distances, indices};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> knn_aggregate_fwd_cuda(
     const at::Tensor& p_query, const at::Tensor& p_ref, const at::Tensor& feats,
-    int64_t k, double sigma, int64_t lanes) {
+    int64_t k, double sigma, int64_t lanes, c10::string_view index) {
   check_clouds(p_query, p_ref);
   check_feats(feats, p_ref);
   check_k(k, p_ref.size(0));
   check_sigma(sigma);
   check_lanes(lanes);
+  const Index which = check_index(index);
   const c10::cuda::CUDAGuard guard(p_query.device());
   check_finite(p_query, p_ref, capturing());
   const int64_t m = p_query.size(0);
@@ -389,12 +395,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> knn_aggregate_fwd_cuda(
   at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
   if (feats.scalar_type() == at::kFloat) {  // the gather in the search's kernel
     at::Tensor out = at::empty({m, feats.size(1)}, feats.options());
-    search(p_query, p_ref, k, (float)(1.0 / sigma), lanes, &feats, &out, weights,
+    search(p_query, p_ref, k, (float)(1.0 / sigma), lanes, which, &feats, &out, weights,
            indices);
     return {out, weights, indices};
   }
-  search(p_query, p_ref, k, (float)(1.0 / sigma), lanes, nullptr, nullptr, weights,
-         indices);
+  search(p_query, p_ref, k, (float)(1.0 / sigma), lanes, which, nullptr, nullptr,
+         weights, indices);
   static auto gather = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("extkernels_cpp::gather", "")
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,

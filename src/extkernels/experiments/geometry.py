@@ -1,0 +1,223 @@
+"""The kNN search on real and awkward geometry (chapter 14): every search method on
+every cloud of :mod:`~extkernels.clouds`, checked and timed.
+
+    python -m extkernels.experiments.geometry check --sizes 100000
+    python -m extkernels.experiments.geometry bench --sizes 100000,1000000 --repeats 3
+
+``bench`` runs every method ``--repeats`` times, each in a fresh Python process that
+times it on every (cloud, size): milliseconds per call of the public entry point
+:func:`extkernels.knn` (search only, k = 7, ``side^3`` queries), the median of 3
+blocks of calls. The table gives, per (cloud, size, method), the median over the
+processes and its spread (min-max), and writes every run as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pandas as pd
+import torch
+
+from .. import clouds, reference
+from ..notebook import versions
+from ..ops import knn
+from ..problem import problem
+from ..timing import time_blocks, time_fn
+
+__all__ = ["METHODS", "check", "time_method", "bench", "table", "main"]
+
+#: Search methods: name -> (backend, options of :func:`extkernels.knn`).
+METHODS = {
+    "fused": ("fused", {}),
+    "fused-grid": ("fused", {"index": "grid"}),
+    "cpp": ("cpp", {}),
+    "triton": ("triton", {}),
+    "cuml": ("cuml", {}),
+}
+
+
+def _search(method: str, w: clouds.Workload, k: int):
+    backend, options = METHODS[method]
+    return lambda: knn(w.p_query, w.p_ref, k, backend=backend, **options)
+
+
+def check(method: str, geometries, sizes, *, k: int = 7, side: int = 30) -> list[dict]:
+    """Each (cloud, size) searched once by ``method`` and compared with SciPy's k-d
+    tree in float64 (:func:`~extkernels.reference.validate_knn`): rows of ``exact`` and
+    the largest distance error relative to the cloud's extent."""
+    rows = []
+    device = problem().device
+    for name in geometries:
+        for n in sizes:
+            w = clouds.workload(name, n, side=side, device=device)
+            d, i = _search(method, w, k)()
+            ref_d, _ = reference.knn_reference(w.p_query, w.p_ref, k)
+            extent = float((w.p_ref.amax(0) - w.p_ref.amin(0)).max())
+            err = float(abs(d.double().cpu().numpy() - ref_d).max())
+            try:
+                exact = reference.validate_knn(
+                    w.p_query, w.p_ref, d, i, k, atol=1e-6 * max(extent, 1.0)
+                )
+            except AssertionError:
+                exact = False
+            rows.append(
+                {
+                    "geometry": name,
+                    "n": n,
+                    "method": method,
+                    "exact": exact,
+                    "error": err / extent,
+                }
+            )
+    return rows
+
+
+def time_method(
+    method: str,
+    geometries,
+    sizes,
+    *,
+    k: int = 7,
+    side: int = 30,
+    budget_ms: float = 300,
+) -> list[dict]:
+    """Milliseconds per search of ``method`` on each (cloud, size), in this process:
+    the median of 3 blocks of calls, each block about ``budget_ms`` long (at least one
+    call, at most 10)."""
+    rows = []
+    device = problem().device
+    for name in geometries:
+        for n in sizes:
+            w = clouds.workload(name, n, side=side, device=device)
+            fn = _search(method, w, k)
+            once = time_fn(fn, 1)
+            n_iters = max(1, min(10, int(budget_ms / max(once, 1e-3))))
+            ms, lo, hi = time_blocks(fn, n_iters, repeats=3)
+            rows.append(
+                {
+                    "geometry": name,
+                    "n": n,
+                    "method": method,
+                    "ms": ms,
+                    "block_min": lo,
+                    "block_max": hi,
+                    "iters": n_iters,
+                }
+            )
+            del w, fn
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _in_process(method: str, geometries, sizes, side: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "extkernels.experiments.geometry",
+            "run",
+            "--methods",
+            method,
+            "--geometries",
+            ",".join(geometries),
+            "--sizes",
+            ",".join(map(str, sizes)),
+            "--side",
+            str(side),
+            "--out",
+            out,
+        ]
+        child = subprocess.run(cmd, capture_output=True, text=True)
+        if child.returncode != 0:
+            raise RuntimeError(
+                f"{method} failed in its process:\n{child.stderr[-4000:]}"
+            )
+        with open(out) as f:
+            return json.load(f)
+
+
+def bench(
+    methods, geometries, sizes, *, repeats: int = 3, side: int = 30
+) -> list[dict]:
+    """Every method ``repeats`` times, each in a fresh process; the runs' rows, each
+    with its ``run`` number."""
+    rows = []
+    for r in range(repeats):
+        for method in methods:
+            print(f"run {r + 1}/{repeats} {method}", flush=True)
+            rows += [
+                {**row, "run": r}
+                for row in _in_process(method, geometries, sizes, side)
+            ]
+    return rows
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    """One row per (geometry, n, method): the median of the runs' times and their
+    spread, in ms."""
+    df = pd.DataFrame(rows)
+    g = df.groupby(["geometry", "n", "method"], sort=False)["ms"]
+    return pd.DataFrame(
+        {"ms": g.median(), "min": g.min(), "max": g.max(), "runs": g.size()}
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m extkernels.experiments.geometry",
+        description=__doc__.split("\n\n")[0],
+    )
+    ap.add_argument("command", choices=["check", "bench", "run"])
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--geometries", default=",".join(clouds.GEOMETRIES))
+    ap.add_argument("--sizes", default="100000")
+    ap.add_argument("--side", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="geometry.json")
+    args = ap.parse_args(argv)
+    methods, geometries = args.methods.split(","), args.geometries.split(",")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.command == "run":  # one fresh process of bench
+        rows = [
+            r
+            for m in methods
+            for r in time_method(m, geometries, sizes, side=args.side)
+        ]
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+        return 0
+    if args.command == "check":
+        rows = [r for m in methods for r in check(m, geometries, sizes, side=args.side)]
+        print(pd.DataFrame(rows).to_string())
+        return 0 if all(r["exact"] for r in rows) else 1
+    rows = bench(methods, geometries, sizes, repeats=args.repeats, side=args.side)
+    with pd.option_context(
+        "display.width", 200, "display.float_format", "{:.3f}".format
+    ):
+        print(table(rows).unstack("method")["ms"].to_string())
+    meta = {
+        "hardware": problem().hardware,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "repeats": args.repeats,
+        "k": 7,
+        "n_query": args.side**3,
+        "versions": versions()["version"].to_dict(),
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "runs": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+// The tree of tree.h on the GPU (chapter 14).
+//
+// - Build: the cloud's box (partial min/max per block), a Morton code per point, one
+//   sort of the codes (at::sort: a device radix sort), then one warp per leaf gathers
+//   its 32 points in Morton order and reduces their box, and one warp per node of each
+//   level above reduces its 32 children's boxes. Nothing is read back on the host.
+// - Search: one warp per query. The warp tests a node's 32 child boxes at once (a lane
+//   each), sorts the ones nearer than the k-th best so far with a bitonic network of
+//   shuffles and pushes them on a stack in shared memory, nearest on top; at a leaf it
+//   tests 32 points at once and inserts each better one into a list of the k best that
+//   the warp holds, element e in lane e % 32. The softmax and the gather follow in the
+//   same kernel.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "fused.h"
+#include "tree.h"
+
+namespace extkernels {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kBoxThreads = 256;
+constexpr int kBoxBlocks = 64;
+constexpr int kTreeThreads = 128;  // four warps, four queries per block
+constexpr int kWarps = kTreeThreads / 32;
+static_assert(kFanout == 32, "the kernels give one lane to each child of a node");
+
+int blocks_for(int64_t n, int threads) { return (int)((n + threads - 1) / threads); }
+
+// Partial boxes: block b writes lo[3], hi[3] of its stride of the points.
+__global__ void __launch_bounds__(kBoxThreads)
+    box_kernel(const float* p, int64_t n, float* partial) {
+  __shared__ float lo[3][kBoxThreads], hi[3][kBoxThreads];
+  float l[3] = {INFINITY, INFINITY, INFINITY}, h[3] = {-INFINITY, -INFINITY, -INFINITY};
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < n; j += stride) {
+    for (int a = 0; a < 3; ++a) {
+      l[a] = fminf(l[a], p[3 * j + a]);
+      h[a] = fmaxf(h[a], p[3 * j + a]);
+    }
+  }
+  for (int a = 0; a < 3; ++a) {
+    lo[a][threadIdx.x] = l[a];
+    hi[a][threadIdx.x] = h[a];
+  }
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      for (int a = 0; a < 3; ++a) {
+        lo[a][threadIdx.x] = fminf(lo[a][threadIdx.x], lo[a][threadIdx.x + half]);
+        hi[a][threadIdx.x] = fmaxf(hi[a][threadIdx.x], hi[a][threadIdx.x + half]);
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x < 3) {
+    partial[6 * blockIdx.x + threadIdx.x] = lo[threadIdx.x][0];
+    partial[6 * blockIdx.x + 3 + threadIdx.x] = hi[threadIdx.x][0];
+  }
+}
+
+__global__ void params_kernel(const float* partial, int blocks, TreeParams* out) {
+  float lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
+  for (int b = 0; b < blocks; ++b) {
+    for (int a = 0; a < 3; ++a) {
+      lo[a] = fminf(lo[a], partial[6 * b + a]);
+      hi[a] = fmaxf(hi[a], partial[6 * b + 3 + a]);
+    }
+  }
+  *out = tree_params(lo, hi);
+}
+
+__global__ void morton_kernel(const float* p, int64_t n, const TreeParams* params,
+                              int64_t* codes) {
+  const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (j < n) codes[j] = morton_of(p + 3 * j, *params);
+}
+
+__device__ __forceinline__ void warp_box(NodeBox& b) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      b.lo[a] = fminf(b.lo[a], __shfl_xor_sync(kFull, b.lo[a], o));
+      b.hi[a] = fmaxf(b.hi[a], __shfl_xor_sync(kFull, b.hi[a], o));
+    }
+  }
+}
+
+// One warp per leaf: its points, in Morton order, and their box.
+__global__ void __launch_bounds__(kTreeThreads)
+    leaves_kernel(const float* p, int64_t n, const int64_t* order, int64_t n_leaves,
+                  Point4* ref, NodeBox* leaves) {
+  const int64_t leaf = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+  const int lane = (int)(threadIdx.x & 31u);
+  if (leaf >= n_leaves) return;
+  const int64_t s = leaf * kFanout + lane;
+  NodeBox b;
+  box_empty(b);
+  if (s < n) {
+    const int64_t j = order[s];
+    const Point4 pt{p[3 * j], p[3 * j + 1], p[3 * j + 2], (int32_t)j};
+    ref[s] = pt;
+    box_add(b, &pt.x, &pt.x);
+  }
+  warp_box(b);
+  if (lane == 0) leaves[leaf] = b;
+}
+
+// One warp per node of a level: the box of its (up to) 32 children.
+__global__ void __launch_bounds__(kTreeThreads)
+    level_kernel(const NodeBox* below, int64_t n_below, NodeBox* level, int64_t n_level) {
+  const int64_t node = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+  const int lane = (int)(threadIdx.x & 31u);
+  if (node >= n_level) return;
+  const int64_t c = node * kFanout + lane;
+  NodeBox b;
+  box_empty(b);
+  if (c < n_below) box_add(b, below[c].lo, below[c].hi);
+  warp_box(b);
+  if (lane == 0) level[node] = b;
+}
+
+__device__ __forceinline__ NodeBox load_box(const NodeBox* nodes, int64_t i) {
+  const float4* v = reinterpret_cast<const float4*>(nodes + i);
+  const float4 lo = __ldg(v), hi = __ldg(v + 1);
+  return NodeBox{{lo.x, lo.y, lo.z}, 0.0f, {hi.x, hi.y, hi.z}, 0.0f};
+}
+
+// Sorts (key, val) ascending across the warp, ties by val: 15 compare-exchange steps.
+__device__ __forceinline__ void bitonic_sort(float& key, int32_t& val, int lane) {
+#pragma unroll
+  for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      const float other = __shfl_xor_sync(kFull, key, stride);
+      const int32_t other_val = __shfl_xor_sync(kFull, val, stride);
+      const bool ascending = (lane & size) == 0 || size == 32;
+      const bool lower = (lane & stride) == 0;
+      const bool smaller = other < key || (other == key && other_val < val);
+      if (lower == ascending ? smaller : !smaller) {
+        key = other;
+        val = other_val;
+      }
+    }
+  }
+}
+
+// The warp's list of the best S * 32 (squared distance, row), ascending: element e is
+// slot e / 32 of lane e % 32.
+template <int S>
+__device__ __forceinline__ void list_insert(float (&d)[S], int32_t (&id)[S], float c,
+                                            int32_t ci, int lane) {
+  int pos = 0;  // after the entries at most as far: the order of TopK::push (grid.h)
+#pragma unroll
+  for (int s = 0; s < S; ++s) pos += __popc(__ballot_sync(kFull, d[s] <= c));
+#pragma unroll
+  for (int s = S - 1; s >= 0; --s) {
+    float up = __shfl_up_sync(kFull, d[s], 1);
+    int32_t up_id = __shfl_up_sync(kFull, id[s], 1);
+    if (s > 0) {  // lane 0 takes the last element of the slot below
+      const float last = __shfl_sync(kFull, d[s > 0 ? s - 1 : 0], 31);
+      const int32_t last_id = __shfl_sync(kFull, id[s > 0 ? s - 1 : 0], 31);
+      if (lane == 0) {
+        up = last;
+        up_id = last_id;
+      }
+    }
+    const int e = s * 32 + lane;
+    if (e > pos) {
+      d[s] = up;
+      id[s] = up_id;
+    } else if (e == pos) {
+      d[s] = c;
+      id[s] = ci;
+    }
+  }
+}
+
+template <int S, typename T>
+__device__ __forceinline__ T list_get(const T (&v)[S], int e) {
+  T x = v[0];
+#pragma unroll
+  for (int s = 1; s < S; ++s) x = e / 32 == s ? v[s] : x;
+  return __shfl_sync(kFull, x, e % 32);
+}
+
+template <int S, bool SOFTMAX>
+__global__ void __launch_bounds__(kTreeThreads)
+    tree_knn_kernel(const float* q, int64_t m, const Point4* ref, int64_t n,
+                    const NodeBox* nodes, TreeLayout L, int k, float inv_sigma,
+                    const float* feats, int64_t f, float* out, float* values,
+                    int64_t* idx) {
+  __shared__ TreeEntry stacks[kWarps][kStackSize];
+  const int warp = (int)(threadIdx.x / 32), lane = (int)(threadIdx.x & 31u);
+  const int64_t row = blockIdx.x * (int64_t)kWarps + warp;
+  if (row >= m) return;  // the whole warp: one query
+  TreeEntry* stack = stacks[warp];
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  float d[S];
+  int32_t id[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    d[s] = INFINITY;
+    id[s] = -1;
+  }
+  float kth = INFINITY;
+  int top = 0;
+  if (finite3(qp)) {  // (value checks off) otherwise no neighbour: index -1
+    if (lane == 0) stack[0] = TreeEntry{entry_key(0, L.levels - 1), 0.0f};
+    top = 1;
+  }
+  __syncwarp();
+  while (top > 0) {
+    const TreeEntry e = stack[--top];
+    __syncwarp();  // every lane has read it before any lane pushes over it
+    if (!(e.d2 < kth)) continue;
+    const int level = e.key % kMaxLevels;
+    const int64_t first = (int64_t)(e.key / kMaxLevels) * kFanout;
+    if (level == 0) {  // a leaf: 32 points at once
+      const int64_t s = first + lane;
+      float pd = INFINITY;
+      int32_t pi = -1;
+      if (s < n) {
+        const Point4 p = load_point(ref, s);
+        pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
+        pi = p.index;
+      }
+      for (unsigned better = __ballot_sync(kFull, pd < kth); better;
+           better &= better - 1) {
+        const int src = __ffs(better) - 1;
+        const float c = __shfl_sync(kFull, pd, src);
+        const int32_t ci = __shfl_sync(kFull, pi, src);
+        if (c < kth) {
+          list_insert<S>(d, id, c, ci, lane);
+          kth = list_get<S>(d, k - 1);
+        }
+      }
+      continue;
+    }
+    const int64_t c = first + lane;
+    float cd = INFINITY;
+    if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
+    const unsigned kept = __ballot_sync(kFull, cd < kth);
+    if (!kept) continue;
+    const int n_kept = __popc(kept);
+    float key = cd < kth ? cd : INFINITY;
+    int32_t child = (int32_t)c;
+    if (n_kept > 1) bitonic_sort(key, child, lane);
+    if (n_kept == 1) {
+      const int src = __ffs(kept) - 1;
+      key = __shfl_sync(kFull, key, src);
+      child = __shfl_sync(kFull, child, src);
+    }
+    if (lane < n_kept) stack[top + n_kept - 1 - lane] = TreeEntry{entry_key(child, level - 1), key};
+    top += n_kept;
+    __syncwarp();
+  }
+  // The k best, as distances or softmax weights.
+  const float nearest = sqrtf(__shfl_sync(kFull, d[0], 0));
+  float w[S], total = 0.0f;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const float dist = sqrtf(d[s]);
+    const bool mine = s * 32 + lane < k;
+    w[s] = SOFTMAX ? (mine ? __expf((nearest - dist) * inv_sigma) : 0.0f) : dist;
+    total += mine ? w[s] : 0.0f;
+  }
+  if (SOFTMAX) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(kFull, total, o);
+#pragma unroll
+    for (int s = 0; s < S; ++s) w[s] /= total;
+  }
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const int e = s * 32 + lane;
+    if (e < k) {
+      values[row * k + e] = w[s];
+      idx[row * k + e] = id[s];
+    }
+  }
+  if (feats == nullptr) return;
+  for (int64_t c0 = 0; c0 < f; c0 += 32) {
+    const int64_t c = c0 + lane;
+    float acc = 0.0f;
+    for (int e = 0; e < k; ++e) {
+      const float we = list_get<S>(w, e);
+      const int32_t ie = list_get<S>(id, e);
+      if (ie >= 0 && c < f) acc += we * __ldg(feats + (int64_t)ie * f + c);
+    }
+    if (c < f) out[row * f + c] = acc;
+  }
+}
+
+}  // namespace
+
+TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
+  const int64_t n = p_ref.size(0);
+  const TreeLayout L = tree_layout(n);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int blocks = (int)std::min<int64_t>(kBoxBlocks, blocks_for(n, kBoxThreads));
+  at::Tensor partial = at::empty({6 * blocks}, p_ref.options());
+  box_kernel<<<blocks, kBoxThreads, 0, stream>>>(p_ref.data_ptr<float>(), n,
+                                                  partial.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor params = at::empty({(int64_t)sizeof(TreeParams)},
+                                p_ref.options().dtype(at::kByte));
+  auto* tp = reinterpret_cast<TreeParams*>(params.data_ptr<uint8_t>());
+  params_kernel<<<1, 1, 0, stream>>>(partial.data_ptr<float>(), blocks, tp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor codes = at::empty({n}, p_ref.options().dtype(at::kLong));
+  morton_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(p_ref.data_ptr<float>(), n, tp,
+                                                        codes.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // stable: equal codes keep their rows' order, so that the tree is the same every call
+  const at::Tensor order = std::get<1>(at::sort(codes, /*stable=*/true, 0, false));
+  TreeTensors t;
+  t.ref = at::empty({n, 4}, p_ref.options());
+  t.nodes = at::empty({L.total, 8}, p_ref.options());
+  auto* nodes = reinterpret_cast<NodeBox*>(t.nodes.data_ptr<float>());
+  leaves_kernel<<<blocks_for(L.count[0] * 32, kTreeThreads), kTreeThreads, 0, stream>>>(
+      p_ref.data_ptr<float>(), n, order.data_ptr<int64_t>(), L.count[0],
+      reinterpret_cast<Point4*>(t.ref.data_ptr<float>()), nodes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (int l = 1; l < L.levels; ++l) {
+    level_kernel<<<blocks_for(L.count[l] * 32, kTreeThreads), kTreeThreads, 0, stream>>>(
+        nodes + L.offset[l - 1], L.count[l - 1], nodes + L.offset[l], L.count[l]);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return t;
+}
+
+void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+                   float inv_sigma, const at::Tensor* feats, at::Tensor* out,
+                   at::Tensor& values, at::Tensor& indices) {
+  const TreeTensors t = build_tree_cuda(p_ref);
+  const int64_t m = p_query.size(0), n = p_ref.size(0);
+  const TreeLayout L = tree_layout(n);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const float* x = feats ? feats->data_ptr<float>() : nullptr;
+  float* o = out ? out->data_ptr<float>() : nullptr;
+  const int64_t f = feats ? feats->size(1) : 0;
+  const auto* ref = reinterpret_cast<const Point4*>(t.ref.data_ptr<float>());
+  const auto* nodes = reinterpret_cast<const NodeBox*>(t.nodes.data_ptr<float>());
+  const int blocks = blocks_for(m, kWarps);
+#define EK_TREE_LAUNCH(S, SOFTMAX)                                                    \
+  tree_knn_kernel<S, SOFTMAX><<<blocks, kTreeThreads, 0, stream>>>(                  \
+      p_query.data_ptr<float>(), m, ref, n, nodes, L, (int)k, inv_sigma, x, f, o,     \
+      values.data_ptr<float>(), indices.data_ptr<int64_t>())
+  if (k <= 32) {
+    if (inv_sigma > 0.0f) EK_TREE_LAUNCH(1, true); else EK_TREE_LAUNCH(1, false);
+  } else {
+    if (inv_sigma > 0.0f) EK_TREE_LAUNCH(2, true); else EK_TREE_LAUNCH(2, false);
+  }
+#undef EK_TREE_LAUNCH
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace extkernels
