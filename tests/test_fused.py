@@ -32,11 +32,23 @@ def test_a_bad_lanes_is_refused_by_the_operator_and_its_fake(lanes):
 
 
 @pytest.mark.parametrize("name", ["knn", "knn_aggregate_fwd"])
-def test_the_schemas_default_lanes_is_the_packages(name):
+def test_the_schemas_defaults_are_the_packages(name):
     fused.prepare()
     schema = getattr(torch.ops.extkernels_fused, name).default._schema
-    (lanes,) = [a for a in schema.arguments if a.name == "lanes"]
-    assert lanes.default_value == fused.DEFAULT_LANES
+    defaults = {a.name: a.default_value for a in schema.arguments}
+    assert defaults["lanes"] == fused.DEFAULT_LANES
+    assert defaults["index"] == fused.DEFAULT_INDEX
+
+
+def test_a_bad_index_is_refused_by_the_operator_and_its_fake():
+    fused.prepare()
+    p_query, p_ref = _clouds("cpu")
+    with pytest.raises(ValueError, match='^index: expected "tree" or "grid"'):
+        torch.ops.extkernels_fused.knn(p_query, p_ref, 3, 4, "kd")
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="^index:"):
+        torch.ops.extkernels_fused.knn(
+            mode.from_tensor(p_query), mode.from_tensor(p_ref), 3, 4, "kd"
+        )
 
 
 @pytest.mark.gpu
@@ -47,7 +59,7 @@ def test_every_group_size_finds_chapter_9s_neighbours(k):
     p_query, p_ref = _clouds("cuda")
     expected = torch.ops.extkernels_cpp.knn(p_query, p_ref, k)[0]
     for lanes in fused.LANES:
-        got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, lanes)[0]
+        got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, lanes, "grid")[0]
         assert torch.equal(got, expected), f"lanes={lanes}, k={k}"
 
 
@@ -72,3 +84,35 @@ def test_both_radius_kernels_agree_forward_and_backward(n_feats):
         p_query, p_ref, feats, 0.3, 0.1
     )
     assert torch.allclose(a, reference, rtol=1e-4, atol=1e-5)
+
+
+def _work_per_query(name: str, index: str) -> float:
+    from extkernels import clouds
+
+    w = clouds.workload(name, 4000, side=8)
+    return float(
+        fused.knn_work(w.p_query, w.p_ref, 7, index=index).sum(1).double().mean()
+    )
+
+
+def test_the_tree_does_the_same_work_on_every_cloud_where_the_grid_falls_off_a_cliff():
+    """Boxes or cells looked into plus points tested, per query (chapter 14): the tree's
+    stays within 1.5x of its work on the book's cloud on every geometry; the grid's
+    grows more than fourfold on surfaces queried in the volume, clusters and an
+    outlier."""
+    from extkernels import clouds
+
+    tree = {g: _work_per_query(g, "tree") for g in clouds.GEOMETRIES}
+    grid = {g: _work_per_query(g, "grid") for g in clouds.GEOMETRIES}
+    assert max(tree.values()) <= 1.5 * tree["normal"], tree
+    for g in ("panda", "spitfire", "shell", "clusters", "outlier"):
+        assert grid[g] >= 4 * grid["normal"], (g, grid)
+
+
+def test_the_tree_search_is_exact_on_every_cloud():
+    from extkernels import clouds, reference
+
+    for name in clouds.GEOMETRIES:
+        w = clouds.workload(name, 3000, side=6)
+        d, i = torch.ops.extkernels_fused.knn(w.p_query, w.p_ref, 7)
+        assert reference.validate_knn(w.p_query, w.p_ref, d, i, 7, atol=1e-5), name
