@@ -43,7 +43,7 @@ KnnOut knn_grid_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t 
 // The k nearest of every query by the tree: squared distances and rows, (M, k) each.
 KnnOut knn_tree_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k) {
   const Tree t = build_tree_cpu(p_ref);
-  const int64_t m = p_query.size(0), n = p_ref.size(0);
+  const int64_t m = p_query.size(0);
   at::Tensor d2 = at::empty({m, k}, p_query.options());
   at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
   const float* q = p_query.data_ptr<float>();
@@ -54,7 +54,7 @@ KnnOut knn_tree_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t 
       TopK<KMAX> best;
       for (int64_t row = begin; row < end; ++row) {
         best.init((int)k);
-        tree_search_cpu(q + 3 * row, t, n, best);
+        tree_search_cpu(q + 3 * row, t, best);
         for (int64_t j = 0; j < k; ++j) {
           d[row * k + j] = best.d[j];
           idx[row * k + j] = best.i[j];
@@ -146,7 +146,7 @@ at::Tensor knn_work_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int6
   check_clouds(p_query, p_ref);
   check_k(k, p_ref.size(0));
   check_finite(p_query, p_ref, /*capturing=*/false);
-  const int64_t m = p_query.size(0), n = p_ref.size(0);
+  const int64_t m = p_query.size(0);
   at::Tensor work = at::zeros({m, 2}, p_query.options().dtype(at::kLong));
   int64_t* out = work.data_ptr<int64_t>();
   const float* q = p_query.data_ptr<float>();
@@ -159,7 +159,7 @@ at::Tensor knn_work_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int6
         best.init((int)k);
         Work w;
         if (which == Index::Tree) {
-          tree_search_cpu(q + 3 * row, t, n, best, &w);
+          tree_search_cpu(q + 3 * row, t, best, &w);
         } else {
           grid_search_counted(q + 3 * row, s, best, w);
         }

@@ -30,10 +30,12 @@ inline void check_lanes(int64_t lanes) {
                         lanes));
 }
 
-// The tree of tree.h on the GPU (tree_cuda.cu): sorted points (n, 4) and node boxes
-// (n_nodes, 8), float32.
+// The tree of tree.h on the GPU (tree_cuda.cu): sorted points (n, 4) float32, their
+// codes (n,) int64, leaf starts (n + 1,) int32 (as many as there are leaves, plus one,
+// are used), node boxes (n_nodes, 8) float32, and the layout and the parameters as
+// bytes. Sized from n only: the number of leaves is known on the device alone.
 struct TreeTensors {
-  at::Tensor ref, nodes;
+  at::Tensor ref, codes, leaf_start, nodes, layout, params;
 };
 TreeTensors build_tree_cuda(const at::Tensor& p_ref);
 // The search by the tree: distances (inv_sigma 0) or softmax weights into values, rows

@@ -3,9 +3,11 @@
 //
 // - The points are sorted by the Morton code of their position in the cloud's bounding
 //   cube (21 bits per axis), so that consecutive points are near each other.
-// - Level 0 cuts the sorted points into leaves of kFanout consecutive points; every
-//   level above groups kFanout consecutive nodes of the level below. A node's box bounds
-//   its children; nothing else is stored, the tree is implicit in the order.
+// - Level 0 cuts the sorted points into leaves: the coarsest cells of the octree of that
+//   cube that hold at most kFanout points (a run of consecutive points each, found from
+//   the codes alone; see leaf_starts). Every level above groups kFanout consecutive
+//   nodes of the level below. A node's box bounds its children; nothing else is
+//   stored, the tree is implicit in the order.
 // - A search descends from the root, nearest box first, and skips every box that lies
 //   farther than the k-th best distance so far: empty space, far clusters and outliers
 //   cost one box test each, whatever the shape of the cloud. Unlike the grid of chapter
@@ -22,13 +24,14 @@ namespace extkernels {
 // Children per node, and points per leaf: one warp's width, so that on the GPU the
 // lanes of a warp test a node's children, or a leaf's points, at once.
 constexpr int kFanout = 32;
-// Levels of a tree over at most 2^31 points: 2^26 leaves, then 2^21, ..., 1 node.
+// Levels of a tree over at most 2^31 points: at most 2^31 leaves, then 2^26, ..., 1.
 constexpr int kMaxLevels = 8;
 // Bits of each coordinate in the Morton code.
 constexpr int kMortonBits = 21;
 
-// How many nodes each level holds and where it starts in the node array: a function of
-// the number of points only, so that the workspace is sized from shapes.
+// How many nodes each level holds and where it starts in the node array, for a given
+// number of leaves. The workspace is sized for the most leaves n points can make (n),
+// so from shapes; the actual layout is computed on the device.
 struct TreeLayout {
   int levels;  // levels 0 (leaves) .. levels - 1 (the root, one node)
   int64_t count[kMaxLevels];
@@ -36,9 +39,9 @@ struct TreeLayout {
   int64_t total;
 };
 
-EK_HD TreeLayout tree_layout(int64_t n) {
+EK_HD TreeLayout tree_layout(int64_t leaves) {
   TreeLayout t;
-  int64_t c = n < 1 ? 1 : (n + kFanout - 1) / kFanout;
+  int64_t c = leaves < 1 ? 1 : leaves;
   t.levels = 0;
   t.total = 0;
   for (int l = 0; l < kMaxLevels; ++l) {
@@ -145,6 +148,45 @@ EK_HD void box_add(NodeBox& b, const float* lo, const float* hi) {
     b.lo[a] = lo[a] < b.lo[a] ? lo[a] : b.lo[a];
     b.hi[a] = hi[a] > b.hi[a] ? hi[a] : b.hi[a];
   }
+}
+
+// Leading 3-bit groups (octree levels) that two codes share: the depth of the deepest
+// octree cell holding both (kMortonBits for equal codes).
+EK_HD int common_depth(uint64_t a, uint64_t b) {
+  const uint64_t x = a ^ b;
+  if (x == 0) return kMortonBits;
+#if defined(__CUDA_ARCH__)
+  const int lead = __clzll((long long)x);
+#else
+  const int lead = __builtin_clzll(x);
+#endif
+  return (lead - 1) / 3;  // bit 63 is never set
+}
+
+// The depth of the leaf that holds sorted point i: 1 + the deepest depth at which
+// kFanout + 1 consecutive points around i share a cell (those cells hold too many),
+// with window[t] = common_depth(code[t], code[t + kFanout]) for t + kFanout < n.
+// Deeper than kMortonBits: points with equal codes, more than kFanout of them.
+EK_HD int leaf_depth(const int8_t* window, int64_t n, int64_t i) {
+  int depth = 0;
+  const int64_t first = i >= kFanout ? i - kFanout : 0;
+  for (int64_t t = first; t <= i && t + kFanout < n; ++t) {
+    depth = window[t] + 1 > depth ? window[t] + 1 : depth;
+  }
+  return depth;
+}
+
+// Whether a leaf starts at sorted point i (codes ascending; run_start, the first point
+// with point i's code, is needed only when more than kFanout points share it: such a
+// run is cut every kFanout points). The leaves partition the points: the coarsest cell
+// holding at most kFanout points is the same for every point in it.
+EK_HD bool leaf_starts(const uint64_t* code, const int8_t* window, int64_t n, int64_t i,
+                       int64_t run_start) {
+  if (i == 0) return true;
+  const int depth = leaf_depth(window, n, i);
+  const int shared = common_depth(code[i - 1], code[i]);
+  if (depth <= kMortonBits) return shared < depth;
+  return shared < kMortonBits || (i - run_start) % kFanout == 0;
 }
 
 // A stack entry of the search: a node (its index within its level, and the level) and

@@ -1,7 +1,7 @@
 // The tree of tree.h on the GPU (chapter 14).
 //
 // - Build: the cloud's box (partial min/max per block), a Morton code per point, one
-//   sort of the codes (at::sort: a device radix sort), then one warp per leaf gathers
+//   radix sort of the codes (CUB), then one warp per leaf gathers
 //   its 32 points in Morton order and reduces their box, and one warp per node of each
 //   level above reduces its 32 children's boxes. Nothing is read back on the host.
 // - Search: one warp per query. The warp tests a node's 32 child boxes at once (a lane
@@ -12,6 +12,7 @@
 //   same kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <cub/device/device_radix_sort.cuh>
 #include <c10/cuda/CUDAStream.h>
 
 #include "fused.h"
@@ -73,9 +74,11 @@ __global__ void params_kernel(const float* partial, int blocks, TreeParams* out)
 }
 
 __global__ void morton_kernel(const float* p, int64_t n, const TreeParams* params,
-                              int64_t* codes) {
+                              uint64_t* codes, int32_t* rows) {
   const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (j < n) codes[j] = morton_of(p + 3 * j, *params);
+  if (j >= n) return;
+  codes[j] = (uint64_t)morton_of(p + 3 * j, *params);
+  rows[j] = (int32_t)j;
 }
 
 __device__ __forceinline__ void warp_box(NodeBox& b) {
@@ -89,38 +92,80 @@ __device__ __forceinline__ void warp_box(NodeBox& b) {
   }
 }
 
-// One warp per leaf: its points, in Morton order, and their box.
-__global__ void __launch_bounds__(kTreeThreads)
-    leaves_kernel(const float* p, int64_t n, const int64_t* order, int64_t n_leaves,
-                  Point4* ref, NodeBox* leaves) {
-  const int64_t leaf = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
-  const int lane = (int)(threadIdx.x & 31u);
-  if (leaf >= n_leaves) return;
-  const int64_t s = leaf * kFanout + lane;
-  NodeBox b;
-  box_empty(b);
-  if (s < n) {
-    const int64_t j = order[s];
-    const Point4 pt{p[3 * j], p[3 * j + 1], p[3 * j + 2], (int32_t)j};
-    ref[s] = pt;
-    box_add(b, &pt.x, &pt.x);
-  }
-  warp_box(b);
-  if (lane == 0) leaves[leaf] = b;
+// window[t]: the octree depth that sorted points t and t + kFanout share.
+__global__ void window_kernel(const uint64_t* code, int64_t n, int8_t* window) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (t + kFanout < n) window[t] = (int8_t)common_depth(code[t], code[t + kFanout]);
 }
 
-// One warp per node of a level: the box of its (up to) 32 children.
+// Which sorted points start a leaf (leaf_starts of tree.h), and each point moved to its
+// place in Morton order.
+__global__ void starts_kernel(const float* p, const int32_t* order, const uint64_t* code,
+                              const int8_t* window, int64_t n, int32_t* flags,
+                              Point4* ref) {
+  const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int64_t run_start = 0;
+  if (leaf_depth(window, n, i) > kMortonBits) {  // many equal codes: where they begin
+    int64_t lo = 0, hi = i;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (code[mid] < code[i]) lo = mid + 1; else hi = mid;
+    }
+    run_start = lo;
+  }
+  flags[i] = leaf_starts(code, window, n, i, run_start) ? 1 : 0;
+  const int64_t j = order[i];
+  ref[i] = Point4{p[3 * j], p[3 * j + 1], p[3 * j + 2], (int32_t)j};
+}
+
+// From the running count of leaf starts: where each leaf begins, and the layout.
+__global__ void layout_kernel(const int32_t* flags, const int32_t* ids, int64_t n,
+                              int32_t* leaf_start, TreeLayout* layout) {
+  const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  if (flags[i]) leaf_start[ids[i] - 1] = (int32_t)i;
+  if (i == n - 1) {
+    leaf_start[ids[i]] = (int32_t)n;
+    *layout = tree_layout(ids[i]);
+  }
+}
+
+// Warps over the leaves (as many as the layout says): each leaf's box.
 __global__ void __launch_bounds__(kTreeThreads)
-    level_kernel(const NodeBox* below, int64_t n_below, NodeBox* level, int64_t n_level) {
-  const int64_t node = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+    leaves_kernel(const Point4* ref, const int32_t* leaf_start, const TreeLayout* layout,
+                  NodeBox* leaves) {
   const int lane = (int)(threadIdx.x & 31u);
-  if (node >= n_level) return;
-  const int64_t c = node * kFanout + lane;
-  NodeBox b;
-  box_empty(b);
-  if (c < n_below) box_add(b, below[c].lo, below[c].hi);
-  warp_box(b);
-  if (lane == 0) level[node] = b;
+  const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
+  const int64_t count = layout->count[0];
+  for (int64_t leaf = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32; leaf < count;
+       leaf += warps) {
+    const int64_t s = leaf_start[leaf] + lane;
+    NodeBox b;
+    box_empty(b);
+    if (s < leaf_start[leaf + 1]) box_add(b, &ref[s].x, &ref[s].x);
+    warp_box(b);
+    if (lane == 0) leaves[leaf] = b;
+  }
+}
+
+// Warps over the nodes of level l: the box of each one's (up to) 32 children.
+__global__ void __launch_bounds__(kTreeThreads)
+    level_kernel(NodeBox* nodes, const TreeLayout* layout, int l) {
+  const int lane = (int)(threadIdx.x & 31u);
+  const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
+  if (l >= layout->levels) return;
+  const NodeBox* below = nodes + layout->offset[l - 1];
+  const int64_t n_below = layout->count[l - 1];
+  for (int64_t node = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+       node < layout->count[l]; node += warps) {
+    const int64_t c = node * kFanout + lane;
+    NodeBox b;
+    box_empty(b);
+    if (c < n_below) box_add(b, below[c].lo, below[c].hi);
+    warp_box(b);
+    if (lane == 0) nodes[layout->offset[l] + node] = b;
+  }
 }
 
 __device__ __forceinline__ NodeBox load_box(const NodeBox* nodes, int64_t i) {
@@ -190,10 +235,18 @@ __device__ __forceinline__ T list_get(const T (&v)[S], int e) {
 template <int S, bool SOFTMAX>
 __global__ void __launch_bounds__(kTreeThreads)
     tree_knn_kernel(const float* q, int64_t m, const Point4* ref, int64_t n,
-                    const NodeBox* nodes, TreeLayout L, int k, float inv_sigma,
-                    const float* feats, int64_t f, float* out, float* values,
-                    int64_t* idx) {
+                    const uint64_t* codes, const int32_t* leaf_start,
+                    const NodeBox* nodes, const TreeLayout* layout,
+                    const TreeParams* params, int k, float inv_sigma, const float* feats,
+                    int64_t f, float* out, float* values, int64_t* idx) {
   __shared__ TreeEntry stacks[kWarps][kStackSize];
+  __shared__ TreeLayout L;
+  __shared__ TreeParams P;
+  if (threadIdx.x == 0) {
+    L = *layout;
+    P = *params;
+  }
+  __syncthreads();
   const int warp = (int)(threadIdx.x / 32), lane = (int)(threadIdx.x & 31u);
   const int64_t row = blockIdx.x * (int64_t)kWarps + warp;
   if (row >= m) return;  // the whole warp: one query
@@ -208,7 +261,42 @@ __global__ void __launch_bounds__(kTreeThreads)
   }
   float kth = INFINITY;
   int top = 0;
+  int64_t guess = 0;  // the first guess: points guess .. guess + 31
   if (finite3(qp)) {  // (value checks off) otherwise no neighbour: index -1
+    // The kFanout points around the query's place in the Morton order (found by a
+    // search in which the 32 lanes split the range 32 ways at each step), so that the
+    // descent starts with a k-th distance near the final one.
+    const uint64_t qcode = (uint64_t)morton_of(qp, P);
+    int64_t lo = 0, hi = n;  // the place lies in lo .. hi
+    while (hi - lo > 1) {
+      const int64_t step = (hi - lo + 31) / 32;
+      const int64_t at = lo + lane * step;
+      const bool below = at < hi && codes[at] < qcode;
+      const int last = 31 - __clz(__ballot_sync(kFull, below) | 1u);
+      const int64_t new_lo = lo + last * step;
+      hi = new_lo + step < hi ? new_lo + step : hi;
+      lo = new_lo;
+    }
+    guess = lo - kFanout / 2;
+    guess = guess + kFanout > n ? n - kFanout : guess;
+    guess = guess < 0 ? 0 : guess;
+    const int64_t s = guess + lane;
+    float pd = INFINITY;
+    int32_t pi = -1;
+    if (s < n) {
+      const Point4 p = load_point(ref, s);
+      pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
+      pi = p.index;
+    }
+    for (unsigned better = __ballot_sync(kFull, pd < kth); better; better &= better - 1) {
+      const int src = __ffs(better) - 1;
+      const float c = __shfl_sync(kFull, pd, src);
+      const int32_t ci = __shfl_sync(kFull, pi, src);
+      if (c < kth) {
+        list_insert<S>(d, id, c, ci, lane);
+        kth = list_get<S>(d, k - 1);
+      }
+    }
     if (lane == 0) stack[0] = TreeEntry{entry_key(0, L.levels - 1), 0.0f};
     top = 1;
   }
@@ -219,11 +307,12 @@ __global__ void __launch_bounds__(kTreeThreads)
     if (!(e.d2 < kth)) continue;
     const int level = e.key % kMaxLevels;
     const int64_t first = (int64_t)(e.key / kMaxLevels) * kFanout;
-    if (level == 0) {  // a leaf: 32 points at once
-      const int64_t s = first + lane;
+    if (level == 0) {  // a leaf: up to 32 points at once
+      const int64_t s = leaf_start[first / kFanout] + lane;
       float pd = INFINITY;
       int32_t pi = -1;
-      if (s < n) {
+      // (the first guess's points are in the list already)
+      if (s < leaf_start[first / kFanout + 1] && (s < guess || s >= guess + kFanout)) {
         const Point4 p = load_point(ref, s);
         pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
         pi = p.index;
@@ -299,35 +388,71 @@ __global__ void __launch_bounds__(kTreeThreads)
 
 TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   const int64_t n = p_ref.size(0);
-  const TreeLayout L = tree_layout(n);
+  const TreeLayout most = tree_layout(n);  // the workspace: as many leaves as points
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int blocks = (int)std::min<int64_t>(kBoxBlocks, blocks_for(n, kBoxThreads));
   at::Tensor partial = at::empty({6 * blocks}, p_ref.options());
   box_kernel<<<blocks, kBoxThreads, 0, stream>>>(p_ref.data_ptr<float>(), n,
                                                   partial.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  at::Tensor params = at::empty({(int64_t)sizeof(TreeParams)},
-                                p_ref.options().dtype(at::kByte));
-  auto* tp = reinterpret_cast<TreeParams*>(params.data_ptr<uint8_t>());
+  TreeTensors t;
+  auto bytes = p_ref.options().dtype(at::kByte);
+  t.params = at::empty({(int64_t)sizeof(TreeParams)}, bytes);
+  t.layout = at::empty({(int64_t)sizeof(TreeLayout)}, bytes);
+  auto* tp = reinterpret_cast<TreeParams*>(t.params.data_ptr<uint8_t>());
+  auto* layout = reinterpret_cast<TreeLayout*>(t.layout.data_ptr<uint8_t>());
   params_kernel<<<1, 1, 0, stream>>>(partial.data_ptr<float>(), blocks, tp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  at::Tensor codes = at::empty({n}, p_ref.options().dtype(at::kLong));
+  auto longs = p_ref.options().dtype(at::kLong);
+  auto ints = p_ref.options().dtype(at::kInt);
+  at::Tensor codes = at::empty({n}, longs);
+  t.codes = at::empty({n}, longs);
+  at::Tensor rows = at::empty({n}, ints), order = at::empty({n}, ints);
+  auto* keys_in = reinterpret_cast<uint64_t*>(codes.data_ptr<int64_t>());
+  auto* keys_out = reinterpret_cast<uint64_t*>(t.codes.data_ptr<int64_t>());
   morton_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(p_ref.data_ptr<float>(), n, tp,
-                                                        codes.data_ptr<int64_t>());
+                                                        keys_in, rows.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // stable: equal codes keep their rows' order, so that the tree is the same every call
-  const at::Tensor order = std::get<1>(at::sort(codes, /*stable=*/true, 0, false));
-  TreeTensors t;
+  // A radix sort of the 63 bits of the codes, rows as values; stable, so that equal
+  // codes keep their rows' order and the tree is the same on every call.
+  size_t temp_bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, temp_bytes, keys_in, keys_out, rows.data_ptr<int32_t>(),
+      order.data_ptr<int32_t>(), (int)n, 0, 3 * kMortonBits, stream));
+  at::Tensor temp = at::empty({(int64_t)temp_bytes}, p_ref.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      temp.data_ptr(), temp_bytes, keys_in, keys_out, rows.data_ptr<int32_t>(),
+      order.data_ptr<int32_t>(), (int)n, 0, 3 * kMortonBits, stream));
+  at::Tensor window = at::empty({n}, p_ref.options().dtype(at::kChar));
+  window_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(keys_out, n,
+                                                        window.data_ptr<int8_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   t.ref = at::empty({n, 4}, p_ref.options());
-  t.nodes = at::empty({L.total, 8}, p_ref.options());
-  auto* nodes = reinterpret_cast<NodeBox*>(t.nodes.data_ptr<float>());
-  leaves_kernel<<<blocks_for(L.count[0] * 32, kTreeThreads), kTreeThreads, 0, stream>>>(
-      p_ref.data_ptr<float>(), n, order.data_ptr<int64_t>(), L.count[0],
-      reinterpret_cast<Point4*>(t.ref.data_ptr<float>()), nodes);
+  at::Tensor flags = at::empty({n}, ints);
+  starts_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(
+      p_ref.data_ptr<float>(), order.data_ptr<int32_t>(), keys_out,
+      window.data_ptr<int8_t>(), n, flags.data_ptr<int32_t>(),
+      reinterpret_cast<Point4*>(t.ref.data_ptr<float>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  for (int l = 1; l < L.levels; ++l) {
-    level_kernel<<<blocks_for(L.count[l] * 32, kTreeThreads), kTreeThreads, 0, stream>>>(
-        nodes + L.offset[l - 1], L.count[l - 1], nodes + L.offset[l], L.count[l]);
+  const at::Tensor ids = at::cumsum(flags, 0, at::kInt);
+  t.leaf_start = at::empty({n + 1}, ints);
+  layout_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(
+      flags.data_ptr<int32_t>(), ids.data_ptr<int32_t>(), n,
+      t.leaf_start.data_ptr<int32_t>(), layout);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  t.nodes = at::empty({most.total, 8}, p_ref.options());
+  auto* nodes = reinterpret_cast<NodeBox*>(t.nodes.data_ptr<float>());
+  // Launched for a typical number of leaves (a ninth of the points); the warps loop
+  // over as many as the layout holds.
+  const int leaf_blocks = blocks_for(std::max<int64_t>(1, n / 8) * 32, kTreeThreads);
+  leaves_kernel<<<leaf_blocks, kTreeThreads, 0, stream>>>(
+      reinterpret_cast<const Point4*>(t.ref.data_ptr<float>()),
+      t.leaf_start.data_ptr<int32_t>(), layout, nodes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (int l = 1; l < most.levels; ++l) {
+    const int64_t typical = std::max<int64_t>(1, most.count[l] / 8);
+    level_kernel<<<blocks_for(typical * 32, kTreeThreads), kTreeThreads, 0, stream>>>(
+        nodes, layout, l);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return t;
@@ -338,7 +463,6 @@ void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k
                    at::Tensor& values, at::Tensor& indices) {
   const TreeTensors t = build_tree_cuda(p_ref);
   const int64_t m = p_query.size(0), n = p_ref.size(0);
-  const TreeLayout L = tree_layout(n);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const float* x = feats ? feats->data_ptr<float>() : nullptr;
   float* o = out ? out->data_ptr<float>() : nullptr;
@@ -348,8 +472,12 @@ void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k
   const int blocks = blocks_for(m, kWarps);
 #define EK_TREE_LAUNCH(S, SOFTMAX)                                                    \
   tree_knn_kernel<S, SOFTMAX><<<blocks, kTreeThreads, 0, stream>>>(                  \
-      p_query.data_ptr<float>(), m, ref, n, nodes, L, (int)k, inv_sigma, x, f, o,     \
-      values.data_ptr<float>(), indices.data_ptr<int64_t>())
+      p_query.data_ptr<float>(), m, ref, n,                                           \
+      reinterpret_cast<const uint64_t*>(t.codes.data_ptr<int64_t>()),                 \
+      t.leaf_start.data_ptr<int32_t>(), nodes,                                        \
+      reinterpret_cast<const TreeLayout*>(t.layout.data_ptr<uint8_t>()),              \
+      reinterpret_cast<const TreeParams*>(t.params.data_ptr<uint8_t>()), (int)k,      \
+      inv_sigma, x, f, o, values.data_ptr<float>(), indices.data_ptr<int64_t>())
   if (k <= 32) {
     if (inv_sigma > 0.0f) EK_TREE_LAUNCH(1, true); else EK_TREE_LAUNCH(1, false);
   } else {
