@@ -12,7 +12,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-__all__ = ["timing_bars", "scaling_plot", "timeline_plot"]
+__all__ = [
+    "clouds_figure",
+    "geometry_panels",
+    "scaling_plot",
+    "timeline_plot",
+    "timing_bars",
+]
 
 # Compact PNGs, so stored notebooks stay small, and narrow ones: a 560-px figure with
 # 10-point text keeps its labels legible when a phone's 420-px screen scales it down.
@@ -187,4 +193,66 @@ def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
     ax.set_xlabel("time (ms)")
     ax.set_title(f"{title}\n{hardware}")
     fig.tight_layout()
+    return fig
+
+
+def clouds_figure(workloads, *, points: int = 4000):
+    """Each workload of :mod:`extkernels.clouds` as a 3-D scatter of its reference
+    points (grey; at most ``points`` of them) and queries (blue), a panel each (chapter
+    14).
+
+    Returns:
+        The matplotlib figure.
+    """
+    cols = 4
+    rows = (len(workloads) + cols - 1) // cols
+    fig = plt.figure(figsize=(WIDTH, 1.6 * rows + 0.3))
+    for i, w in enumerate(workloads):
+        ax = fig.add_subplot(rows, cols, i + 1, projection="3d")
+        ref = w.p_ref[:: max(1, len(w.p_ref) // points)].cpu().numpy()
+        query = w.p_query[:: max(1, len(w.p_query) // 500)].cpu().numpy()
+        ax.scatter(*ref.T, s=0.5, c="0.4", alpha=0.5, linewidths=0)
+        ax.scatter(*query.T, s=0.5, c="tab:blue", alpha=0.4, linewidths=0)
+        ax.set_title(w.name, fontsize=9, pad=0)
+        ax.set_axis_off()
+    fig.subplots_adjust(left=0, right=1, bottom=0, top=0.92, wspace=0, hspace=0.1)
+    return fig
+
+
+def geometry_panels(times: pd.DataFrame, *, methods, hardware: str, cols: int = 2):
+    """Milliseconds per search against the cloud's size, log-log: a panel per cloud, a
+    line per method, medians of the runs with their min-max as a band (chapter 14;
+    ``times`` indexed by geometry, n, method, as
+    :func:`extkernels.experiments.geometry.table` makes it).
+
+    Returns:
+        The matplotlib figure.
+    """
+    names = list(dict.fromkeys(times.index.get_level_values("geometry")))
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(WIDTH, 1.9 * rows + 0.6), sharex=True, sharey=True
+    )
+    for ax, name in zip(axes.flat, names, strict=False):
+        part = times.xs(name, level="geometry")
+        for method in methods:
+            if method not in part.index.get_level_values("method"):
+                continue
+            line = part.xs(method, level="method").sort_index()
+            ax.plot(line.index, line["ms"], marker="o", ms=3, label=method)
+            ax.fill_between(line.index, line["min"], line["max"], alpha=0.2)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.grid(True, which="major", alpha=0.3)
+    for ax in axes.flat[len(names) :]:
+        ax.set_axis_off()
+    for ax in axes[-1]:
+        ax.set_xlabel("reference points")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("ms per search")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False)
+    fig.suptitle(f"kNN search (k = 7, 27,000 queries), {hardware}")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
