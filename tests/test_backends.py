@@ -18,6 +18,7 @@ from scipy.spatial import cKDTree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import extkernels
+from extkernels import clouds
 from extkernels.ops import registry
 
 K = 7
@@ -92,12 +93,18 @@ def _cloud(kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         p_query = torch.cat([p_query, direction * torch.linspace(10, 100, 40)[:, None]])
     elif kind == "offset 1000":  # coordinates near 1000, as in a scan in millimetres
         p_ref, p_query = p_ref + 1000.0, p_query + 1000.0
+    elif kind in REAL_CLOUDS:  # chapter 14's geometry, at the suite's size
+        w = clouds.workload(kind, N_REF, side=6, seed=seed)
+        p_query, p_ref = w.p_query, w.p_ref
     elif kind != "random":
         raise ValueError(kind)
     return p_query.contiguous(), p_ref.contiguous()
 
 
 CLOUDS = ["random", "duplicates", "clusters", "flat", "far queries", "offset 1000"]
+#: Chapter 14's real and awkward clouds: a CAD surface queried in the volume around
+#: it, one far outlier, a thin slab queried at its own points.
+REAL_CLOUDS = ["panda", "outlier", "slab"]
 
 
 def smooth_feats(p_ref: torch.Tensor) -> torch.Tensor:
@@ -162,7 +169,7 @@ def _on(device, *tensors):
 # ---------------------------------------------------------------- correctness
 
 
-@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("cloud", CLOUDS + REAL_CLOUDS)
 @pytest.mark.parametrize("backend, device", cases("knn"))
 def test_knn_is_exact(backend, device, cloud):
     p_query, p_ref = _cloud(cloud)

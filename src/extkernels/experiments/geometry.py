@@ -27,7 +27,7 @@ import torch
 
 from .. import clouds, reference
 from ..notebook import versions
-from ..ops import knn
+from ..ops import fused, knn
 from ..problem import problem
 from ..timing import time_blocks, time_fn
 
@@ -39,7 +39,6 @@ __all__ = [
     "check",
     "load",
     "main",
-    "properties",
     "table",
     "targets",
     "time_method",
@@ -227,54 +226,11 @@ def table(rows: list[dict]) -> pd.DataFrame:
     )
 
 
-_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def properties(method: str, w: clouds.Workload, k: int = 7) -> dict:
-    """What a search does besides its result, on CUDA tensors: how many times one call
-    waits for the GPU on the host (CUDA runtime synchronisations and blocking copies,
-    from the profiler) and whether one call can be captured in a CUDA graph."""
-    from torch.profiler import ProfilerActivity, profile
-
-    search = _search(method, w, k)
-    search()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        search()
-    names = [e.name for e in prof.events()]
-    syncs = sum(n in _SYNCS for n in names)
-    syncs += sum(
-        n == "cudaMemcpy" or n.startswith("cudaMemcpy") and "Async" not in n
-        for n in names
-    )
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            search()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            search()
-        graph.replay()
-        torch.cuda.synchronize()
-        capturable = True
-    except Exception:  # noqa: BLE001  (any failure to capture is the answer)
-        capturable = False
-        torch.cuda.synchronize()
-    return {"method": method, "host_syncs": syncs, "capturable": capturable}
-
-
-def load(path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """This command's JSON: its meta, the timing table (:func:`table`), the exactness
-    checks and the properties of each method."""
+def load(path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    """This command's JSON: its meta, the timing table (:func:`table`) and the
+    exactness checks."""
     data = json.loads(Path(path).read_text())
-    return (
-        data["meta"],
-        table(data["runs"]),
-        pd.DataFrame(data.get("checks", [])),
-        pd.DataFrame(data.get("properties", [])),
-    )
+    return data["meta"], table(data["runs"]), pd.DataFrame(data.get("checks", []))
 
 
 def at_size(times: pd.DataFrame, n: int, methods) -> pd.DataFrame:
@@ -310,8 +266,6 @@ def work_table(n: int, side: int, k: int = 7) -> pd.DataFrame:
     """The work of one query's search on each cloud, replayed on the CPU (chapter 9's
     grid walk and the tree's descent): the mean cells or boxes looked into and points
     tested per query."""
-    from ..ops import fused
-
     rows = {}
     for name in clouds.GEOMETRIES:
         w = clouds.workload(name, n, side=side)
@@ -350,18 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f)
         return 0
-    if args.command == "check":  # exactness on every cloud, then each method's traits
-        rows, traits = [], []
-        w = clouds.workload("normal", sizes[0], side=args.side, device=problem().device)
+    if args.command == "check":  # exactness on every cloud
+        rows = []
         for m in methods:
             try:
                 rows += check(m, geometries, sizes, side=args.side)
-                traits.append(properties(m, w))
             except Exception as e:  # noqa: BLE001  (a library that fails here)
                 print(f"skip {m}: {type(e).__name__}: {e}", flush=True)
         print(pd.DataFrame(rows).to_string())
-        print(pd.DataFrame(traits).to_string())
-        _merge_into(args.out, {"checks": rows, "properties": traits})
+        _merge_into(args.out, {"checks": rows})
         return 0
     rows = bench(methods, geometries, sizes, repeats=args.repeats, side=args.side)
     with pd.option_context(

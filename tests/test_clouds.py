@@ -1,0 +1,118 @@
+"""The clouds of chapter 14 (:mod:`extkernels.clouds`) and the geometry command's tables
+(:mod:`extkernels.experiments.geometry`): shapes, seeds, the meshes' scaling, sampling
+by area, and the summaries the chapter reads."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from extkernels import clouds
+from extkernels.experiments import geometry
+
+
+@pytest.mark.parametrize("name", list(clouds.GEOMETRIES))
+def test_every_cloud_has_its_size_and_is_the_same_for_a_seed(name):
+    w = clouds.workload(name, 500, side=5, seed=3)
+    again = clouds.workload(name, 500, side=5, seed=3)
+    other = clouds.workload(name, 500, side=5, seed=4)
+    assert w.p_ref.shape == (500, 3) and w.p_ref.dtype == torch.float32
+    assert w.p_query.shape == (125, 3) and w.p_query.is_contiguous()
+    assert torch.equal(w.p_ref, again.p_ref) and torch.equal(w.p_query, again.p_query)
+    assert not torch.equal(w.p_ref, other.p_ref)
+    assert torch.isfinite(w.p_ref).all() and torch.isfinite(w.p_query).all()
+
+
+def test_queries_from_the_cloud_are_its_own_points_in_random_order():
+    w = clouds.workload("shuffled", 2000, side=6)
+    rows = (w.p_query[:, None] == w.p_ref[None]).all(-1).float().argmax(1)
+    assert torch.equal(w.p_ref[rows], w.p_query)
+    assert not torch.equal(rows, rows.sort().values), "queries in the cloud's order"
+
+
+def test_the_outlier_is_ten_thousand_units_out_and_the_slab_is_flat():
+    assert clouds.workload("outlier", 1000).p_ref[:, 0].max() == 1e4
+    extent = clouds.workload("slab", 5000).p_ref.amax(0)
+    assert 99 < extent[0] <= 100 and 0.99 < extent[1] <= 1 and extent[2] <= 0.01
+
+
+@pytest.mark.parametrize("name", list(clouds.MESHES))
+def test_meshes_are_read_and_scaled_into_the_unit_box(name):
+    tri = clouds.mesh_triangles(name)
+    assert tri.ndim == 3 and tri.shape[1:] == (3, 3) and len(tri) > 1000
+    corners = tri.reshape(-1, 3)
+    half = (corners.max(0) - corners.min(0)) / 2
+    assert np.isclose(half.max(), 1.0)
+    assert np.allclose((corners.max(0) + corners.min(0)) / 2, 0.0, atol=1e-9)
+    w = clouds.workload(name, 3000)
+    assert w.p_ref.abs().max() <= 1.0 + 1e-6
+    assert w.p_query.abs().max() == pytest.approx(1.1)  # the volume around the part
+
+
+def test_surface_samples_follow_the_triangles_areas():
+    # two triangles in the plane z = 0, the second with three times the area
+    tri = np.array(
+        [[[0, 0, 0], [1, 0, 0], [0, 1, 0]], [[2, 0, 0], [5, 0, 0], [2, 1, 0]]], float
+    )
+    p = clouds.sample_surface(tri, 40_000, torch.Generator().manual_seed(0))
+    assert p.shape == (40_000, 3) and torch.all(p[:, 2] == 0)
+    in_second = (p[:, 0] >= 2).float().mean().item()
+    assert in_second == pytest.approx(0.75, abs=0.01)
+    first = p[p[:, 0] < 2]
+    assert torch.all(first[:, 0] + first[:, 1] <= 1 + 1e-6), "a point off its triangle"
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="^name: expected one of"):
+        clouds.workload("torus", 10)
+    with pytest.raises(ValueError, match="^n: expected at least one"):
+        clouds.workload("normal", 0)
+    with pytest.raises(ValueError, match="^name: expected one of"):
+        clouds.mesh_triangles("teapot")
+
+
+def _runs():
+    rows = []
+    for run, scale in enumerate([1.0, 1.2, 0.9]):
+        for name in clouds.GEOMETRIES:
+            for n in (100_000, 1_000_000):
+                slow = 6.0 if name == "shell" else 1.0
+                rows.append(
+                    {
+                        "geometry": name,
+                        "n": n,
+                        "method": "fused",
+                        "run": run,
+                        "ms": 0.1 * slow * scale * n / 1e5,
+                    }
+                )
+                rows.append(
+                    {
+                        "geometry": name,
+                        "n": n,
+                        "method": "cuml",
+                        "run": run,
+                        "ms": 20.0 * scale,
+                    }
+                )
+    return rows
+
+
+def test_the_table_gives_each_methods_median_and_spread_over_runs():
+    t = geometry.table(_runs())
+    row = t.loc[("normal", 100_000, "fused")]
+    assert row["ms"] == pytest.approx(0.1) and row["runs"] == 3
+    assert row["min"] == pytest.approx(0.09) and row["max"] == pytest.approx(0.12)
+    wide = geometry.at_size(t, 1_000_000, ["fused", "cuml", "absent"])
+    assert list(wide.columns) == ["fused", "cuml"]
+    assert list(wide.index) == list(clouds.GEOMETRIES)
+
+
+def test_targets_say_which_cloud_misses_which_goal():
+    goals = geometry.targets(geometry.table(_runs()))
+    assert goals.loc["normal", "ms at 10^6"] == pytest.approx(1.0)
+    assert goals.loc["normal", "x cuml at 10^6"] == pytest.approx(20.0)
+    assert goals.loc["normal"][["<= 0.5 ms", "<= 2 ms", ">= 10x"]].all()
+    shell = goals.loc["shell"]
+    assert not shell["<= 0.5 ms"] and not shell["<= 2 ms"] and not shell[">= 10x"]
+    assert isinstance(goals, pd.DataFrame)
