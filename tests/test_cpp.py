@@ -145,6 +145,93 @@ def test_float4_gather_matches_the_scalar_one(ops, device, f):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_misaligned_view_is_refused_by_the_float4_gather(ops, device):
+    q, r = (t.to(device) for t in _clouds("random", 50, 400))
+    _, w, i = ops[0].knn_aggregate_fwd(q, r, torch.randn(400, 8, device=device), 7, 0.1)
+    storage = torch.randn(400 * 8 + 1, device=device)
+    view = storage[1:].view(400, 8)  # contiguous, but 4 bytes past a 16-byte boundary
+    assert view.is_contiguous() and view.data_ptr() % 16 == 4
+    with pytest.raises(
+        ValueError, match="^feats: float4 loads need features that start"
+    ):
+        ops[1].gather(w, i, view, vector_loads=True)
+    torch.testing.assert_close(
+        ops[1].gather(w, i, view, vector_loads=False),
+        ops[1].gather(w, i, view.clone(), vector_loads=True),
+        atol=1e-6,
+        rtol=1e-6,
+    )
+
+
+def test_another_threads_switch_leaves_this_threads_checks_on(ops):
+    import threading
+
+    q, r = _clouds("random", 20, 100)
+    bad = q.clone()
+    bad[3, 1] = math.nan
+    switched, done = threading.Event(), threading.Event()
+
+    def other_thread():
+        previous = torch.ops.extkernels_cpp.set_value_checks(False)
+        switched.set()
+        done.wait(timeout=60)
+        torch.ops.extkernels_cpp.set_value_checks(previous)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    try:
+        assert switched.wait(timeout=60)
+        with pytest.raises(ValueError, match="^p_query: expected finite coordinates"):
+            torch.ops.extkernels_cpp.knn(bad, r, 3)
+    finally:
+        done.set()
+        worker.join()
+
+
+def test_the_kernels_limits_come_from_the_library(ops):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from extkernels.ops import fused
+    from extkernels.ops.cpp import ops as cpp_ops
+
+    fused.prepare()
+    assert [cpp_ops.MAX_K, cpp_ops.MAX_POINTS] == list(
+        torch.ops.extkernels_cpp.limits()
+    )
+    assert cpp_ops.MAX_POINTS == 2**28 - 1
+    with FakeTensorMode():  # shapes only: no memory for 2^28 points
+        q, r = torch.empty(10, 3), torch.empty(cpp_ops.MAX_POINTS + 1, 3)
+        with pytest.raises(ValueError, match="^p_ref: expected at most 268435455"):
+            ops[0].knn(q, r, 3)
+        with pytest.raises(ValueError, match="^p_ref: expected at most 268435455"):
+            torch.ops.extkernels_fused.knn(q, r, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_mode_gives_one_answer_or_refuses(ops):
+    q, r = (t.cuda() for t in _clouds("random", 500, 3000))
+    r[:1500] = r[1500:]  # every point twice: ties everywhere
+    torch.use_deterministic_algorithms(True)
+    try:
+        for op, extra in (
+            (ops[0].knn, ()),
+            (torch.ops.extkernels_fused.knn, (4, "grid")),
+        ):
+            first = op(q, r, 7, *extra)[1]
+            for _ in range(5):
+                assert torch.equal(op(q, r, 7, *extra)[1], first)
+        feats = torch.randn(3000, 5, device="cuda")
+        _, w, i = ops[0].knn_aggregate_fwd(q, r, feats, 7, 0.1)
+        with pytest.raises(RuntimeError, match="knn_aggregate_bwd"):
+            torch.ops.extkernels_cpp.knn_aggregate_bwd(
+                torch.ones(500, 5, device="cuda"), w, i, 3000
+            )
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_value_check_switch_reaches_the_kernels(ops, device):
     q, r = (t.to(device) for t in _clouds("random", 20, 100))
     bad = q.clone()

@@ -14,18 +14,19 @@ from .. import checks
 from ..checks import check_knn, check_knn_aggregate
 from . import build
 
-__all__ = ["FEATS_DTYPES", "MAX_K", "knn", "knn_aggregate", "gather"]
+__all__ = ["FEATS_DTYPES", "MAX_K", "MAX_POINTS", "knn", "knn_aggregate", "gather"]
 
 build.load()
 
 #: Dtypes of the features the aggregation takes (the C++ kernels dispatch on them; the
 #: public entry points take float32).
 FEATS_DTYPES = (torch.float32, torch.float64, torch.float16)
-#: The most neighbours the kernels keep per query (kMaxK in grid.h).
-MAX_K = 64
-
 _ops = torch.ops.extkernels_cpp
 checks.on_value_checks(_ops.set_value_checks)
+
+#: The most neighbours the kernels keep per query (kMaxK in grid.h), and the most
+#: reference points they take (kMaxPoints in checks.h), read from the library.
+MAX_K, MAX_POINTS = (int(v) for v in _ops.limits())
 
 
 def _check_max_k(k: int) -> int:
@@ -37,9 +38,18 @@ def _check_max_k(k: int) -> int:
     return k
 
 
+def _check_size(p_ref) -> None:
+    if p_ref.shape[0] > MAX_POINTS:
+        raise ValueError(
+            f"p_ref: expected at most {MAX_POINTS} points (the kernels index cells and "
+            f"points with 32-bit integers), got {p_ref.shape[0]}"
+        )
+
+
 @torch.library.register_fake("extkernels_cpp::knn")
 def _knn_fake(p_query, p_ref, k):
     k = _check_max_k(check_knn(p_query, p_ref, k, values=False))
+    _check_size(p_ref)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
@@ -50,6 +60,7 @@ def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
         p_query, p_ref, feats, k, sigma, values=False, feats_dtypes=FEATS_DTYPES
     )
     _check_max_k(k)
+    _check_size(p_ref)
     m = p_query.shape[0]
     return (
         feats.new_empty((m, feats.shape[1])),

@@ -12,8 +12,8 @@
 
 #include <ATen/ATen.h>
 
-#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <type_traits>
@@ -54,15 +54,29 @@ std::string msg(const Pieces&... pieces) {
 }
 
 // Whether the operators check that coordinates are finite (a device synchronisation on
-// a GPU). Python's value_checks switch sets it through the operator set_value_checks
-// that each library including this header registers (the C++ and fused backends).
-inline std::atomic<bool>& value_checks_flag() {
-  static std::atomic<bool> flag{true};
+// a GPU), for the calling thread only: an entry point that has just checked the values
+// switches the kernels' checks off around its own call, and another thread calling at
+// the same time keeps its checks. Python's value_checks switch sets it through the
+// operator set_value_checks that each library including this header registers (the C++
+// and fused backends).
+inline bool& value_checks_flag() {
+  thread_local bool flag = true;
   return flag;
 }
 
-// The operator set_value_checks: switches the checks, returns the previous setting.
-inline bool set_value_checks(bool enabled) { return value_checks_flag().exchange(enabled); }
+// The operator set_value_checks: switches this thread's checks, returns the previous
+// setting.
+inline bool set_value_checks(bool enabled) {
+  bool& flag = value_checks_flag();
+  const bool previous = flag;
+  flag = enabled;
+  return previous;
+}
+
+// The most reference points the kernels take: the grid's cell keys (up to 8 cells per
+// point) and the points' rows are 32-bit integers. Python reads it, with the most
+// neighbours, from the operator limits.
+constexpr int64_t kMaxPoints = (int64_t{1} << 28) - 1;
 
 inline void check_cloud(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, msg(name,
@@ -85,6 +99,10 @@ inline void check_clouds(const at::Tensor& p_query, const at::Tensor& p_ref) {
   check_cloud(p_query, "p_query");
   check_cloud(p_ref, "p_ref");
   check_same_device(p_query, "p_query", p_ref, "p_ref");
+  TORCH_CHECK_VALUE(p_ref.size(0) <= kMaxPoints,
+                    msg("p_ref: expected at most ", kMaxPoints,
+                        " points (the kernels index cells and points with 32-bit "
+                        "integers), got ", p_ref.size(0)));
 }
 
 inline void check_feats_dtype(const at::Tensor& t, const char* name);
@@ -119,7 +137,7 @@ inline void check_sigma(double sigma) {
 // back then).
 inline void check_finite(const at::Tensor& p_query, const at::Tensor& p_ref,
                          bool capturing) {
-  if (capturing || !value_checks_flag().load(std::memory_order_relaxed)) return;
+  if (capturing || !value_checks_flag()) return;
   const at::Tensor finite =
       at::stack({at::isfinite(p_query).all(), at::isfinite(p_ref).all()}).cpu();
   const bool* ok = finite.data_ptr<bool>();
@@ -175,6 +193,12 @@ inline void check_gather(const at::Tensor& weights, const at::Tensor& indices,
       !vector_loads || (feats.scalar_type() == at::kFloat && feats.size(1) % 4 == 0),
       msg("vector_loads: float4 loads need float32 features with F divisible by 4, got ",
       feats.scalar_type(), " and F = ", feats.size(1)));
+  const auto misaligned = reinterpret_cast<uintptr_t>(feats.data_ptr()) % 16;
+  TORCH_CHECK_VALUE(
+      !vector_loads || misaligned == 0,
+      msg("feats: float4 loads need features that start on a 16-byte boundary, got ",
+      "an address ", (int64_t)misaligned, " bytes past one (a view into a larger tensor?",
+      " pass vector_loads=False, or a copy)"));
 }
 
 }  // namespace extkernels

@@ -149,6 +149,9 @@ TORCH_LIBRARY(extkernels_cpp, m) {
   m.def("gather(Tensor weights, Tensor indices, Tensor feats, bool vector_loads=False)"
         " -> Tensor");
   m.def("set_value_checks(bool enabled) -> bool", &set_value_checks);
+  // What Python needs of the kernels' limits, from their one source: the most
+  // neighbours a query keeps (grid.h) and the most reference points (checks.h).
+  m.def("limits() -> int[]", []() { return std::vector<int64_t>{kMaxK, kMaxPoints}; });
 }
 
 TORCH_LIBRARY_IMPL(extkernels_cpp, CPU, m) {

@@ -151,10 +151,21 @@ DeviceGrid build_grid_cuda(const at::Tensor& p_ref) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   d.start = at::cumsum(counts, 0, at::kInt);  // each cell's first sorted point
   d.ref = at::empty({n, 4}, p_ref.options());
+  // In deterministic mode the points of a cell keep one order (by row), so that equally
+  // near neighbours come back the same on every call.
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  at::Tensor unordered = deterministic ? at::empty({n, 4}, p_ref.options()) : d.ref;
   scatter_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
       p_ref.data_ptr<float>(), n, keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
-      counts.data_ptr<int32_t>(), reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
+      counts.data_ptr<int32_t>(), reinterpret_cast<Point4*>(unordered.data_ptr<float>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (deterministic) {
+    settle_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+        reinterpret_cast<const Point4*>(unordered.data_ptr<float>()), n,
+        keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
+        reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return d;
 }
 
@@ -238,6 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> knn_aggregate_fwd_cuda(
 at::Tensor knn_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& weights,
                                   const at::Tensor& indices, int64_t n_ref) {
   check_backward(grad_out, weights, indices, n_ref);
+  at::globalContext().alertNotDeterministic(
+      "extkernels_cpp::knn_aggregate_bwd (atomic additions of gradient rows)");
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t m = weights.size(0), f = grad_out.size(1);
   const int k = (int)weights.size(1);

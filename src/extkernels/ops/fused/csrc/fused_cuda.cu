@@ -112,21 +112,6 @@ __global__ void params_kernel(const Moments* partial, int blocks, int64_t n,
   *out = make_grid(lo, hi, sd, n);
 }
 
-// Makes the counting sort deterministic: the atomics of scatter_kernel leave the points
-// of a cell in any order; each point's rank among its cell's points by row puts it in
-// the same place on every call.
-__global__ void settle_kernel(const Point4* unordered, int64_t n, const int32_t* keys,
-                              const int32_t* start, Point4* ref) {
-  const int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (s >= n) return;
-  const Point4 p = unordered[s];
-  const int32_t key = keys[p.index];
-  const int32_t begin = start[key], end = start[key + 1];
-  int32_t rank = 0;
-  for (int32_t t = begin; t < end; ++t) rank += unordered[t].index < p.index;
-  ref[begin + rank] = p;
-}
-
 SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic) {
   const int64_t n = p_ref.size(0);
   const int64_t capacity = cell_capacity(n);
@@ -347,7 +332,9 @@ void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
     knn_tree_cuda(p_query, p_ref, k, inv_sigma, feats, out, values, indices);
     return;
   }
-  const SavedGrid d = build_grid(p_ref, /*deterministic=*/false);
+  // In deterministic mode the points of a cell keep one order, so that equally near
+  // neighbours come back the same on every call.
+  const SavedGrid d = build_grid(p_ref, at::globalContext().deterministicAlgorithms());
   const int64_t m = p_query.size(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* ref = reinterpret_cast<const Point4*>(d.ref.data_ptr<float>());
@@ -612,6 +599,8 @@ at::Tensor radius_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
                                      const at::Tensor& grid_params, double radius,
                                      double sigma, bool warp) {
   check_radius_backward(grad_out, p_query, totals, grid_ref, grid_start, grid_params);
+  at::globalContext().alertNotDeterministic(
+      "extkernels_fused::radius_aggregate_bwd (atomic additions of gradient rows)");
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t m = p_query.size(0), f = grad_out.size(1), n = grid_ref.size(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
