@@ -38,18 +38,9 @@ def _check_max_k(k: int) -> int:
     return k
 
 
-def _check_size(p_ref) -> None:
-    if p_ref.shape[0] > MAX_POINTS:
-        raise ValueError(
-            f"p_ref: expected at most {MAX_POINTS} points (the kernels index cells and "
-            f"points with 32-bit integers), got {p_ref.shape[0]}"
-        )
-
-
 @torch.library.register_fake("extkernels_cpp::knn")
 def _knn_fake(p_query, p_ref, k):
     k = _check_max_k(check_knn(p_query, p_ref, k, values=False))
-    _check_size(p_ref)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
@@ -60,7 +51,6 @@ def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
         p_query, p_ref, feats, k, sigma, values=False, feats_dtypes=FEATS_DTYPES
     )
     _check_max_k(k)
-    _check_size(p_ref)
     m = p_query.shape[0]
     return (
         feats.new_empty((m, feats.shape[1])),

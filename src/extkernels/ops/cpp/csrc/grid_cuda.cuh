@@ -35,12 +35,12 @@ __global__ void scatter_kernel(const float* p, int64_t n, const int32_t* keys,
 // Makes the counting sort deterministic: the atomics of scatter_kernel leave the points
 // of a cell in any order; each point's rank among its cell's points by row puts it in
 // the same place on every call.
-__global__ void settle_kernel(const Point4* unordered, int64_t n, const int32_t* keys,
+__global__ void settle_kernel(const Point4* unordered, int64_t n, const GridParams* params,
                               const int32_t* start, Point4* ref) {
   const int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (s >= n) return;
   const Point4 p = unordered[s];
-  const int32_t key = keys[p.index];
+  const int32_t key = (int32_t)key_of(&p.x, *params);  // its cell, as count_kernel found
   const int32_t begin = start[key], end = start[key + 1];
   int32_t rank = 0;
   for (int32_t t = begin; t < end; ++t) rank += unordered[t].index < p.index;

@@ -149,8 +149,11 @@ TORCH_LIBRARY(extkernels_cpp, m) {
   m.def("gather(Tensor weights, Tensor indices, Tensor feats, bool vector_loads=False)"
         " -> Tensor");
   m.def("set_value_checks(bool enabled) -> bool", &set_value_checks);
-  // What Python needs of the kernels' limits, from their one source: the most
-  // neighbours a query keeps (grid.h) and the most reference points (checks.h).
+}
+
+// What Python needs of the kernels' limits, from their one source: the most neighbours
+// a query keeps (grid.h) and the most reference points (checks.h).
+TORCH_LIBRARY_FRAGMENT(extkernels_cpp, m) {
   m.def("limits() -> int[]", []() { return std::vector<int64_t>{kMaxK, kMaxPoints}; });
 }
 

@@ -151,27 +151,28 @@ DeviceGrid build_grid_cuda(const at::Tensor& p_ref) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   d.start = at::cumsum(counts, 0, at::kInt);  // each cell's first sorted point
   d.ref = at::empty({n, 4}, p_ref.options());
-  // In deterministic mode the points of a cell keep one order (by row), so that equally
-  // near neighbours come back the same on every call.
-  const bool deterministic = at::globalContext().deterministicAlgorithms();
-  at::Tensor unordered = deterministic ? at::empty({n, 4}, p_ref.options()) : d.ref;
   scatter_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
       p_ref.data_ptr<float>(), n, keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
-      counts.data_ptr<int32_t>(), reinterpret_cast<Point4*>(unordered.data_ptr<float>()));
+      counts.data_ptr<int32_t>(), reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (deterministic) {
-    settle_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-        reinterpret_cast<const Point4*>(unordered.data_ptr<float>()), n,
-        keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
-        reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
   return d;
 }
 
 void search_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
                  float inv_sigma, at::Tensor& out, at::Tensor& indices) {
-  const DeviceGrid d = build_grid_cuda(p_ref);
+  DeviceGrid d = build_grid_cuda(p_ref);
+  if (at::globalContext().deterministicAlgorithms()) {
+    // The atomics of the counting sort leave a cell's points in any order; ordered by
+    // row, equally near neighbours come back the same on every call.
+    const int64_t n = p_ref.size(0);
+    at::Tensor unordered = d.ref;
+    d.ref = at::empty_like(unordered);
+    settle_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const Point4*>(unordered.data_ptr<float>()), n,
+        reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>()),
+        d.start.data_ptr<int32_t>(), reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   const int64_t m = p_query.size(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* ref = reinterpret_cast<const Point4*>(d.ref.data_ptr<float>());

@@ -144,9 +144,8 @@ SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (deterministic) {
     settle_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-        reinterpret_cast<const Point4*>(unordered.data_ptr<float>()), n,
-        keys.data_ptr<int32_t>(), d.start.data_ptr<int32_t>(),
-        reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
+        reinterpret_cast<const Point4*>(unordered.data_ptr<float>()), n, params,
+        d.start.data_ptr<int32_t>(), reinterpret_cast<Point4*>(d.ref.data_ptr<float>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return d;
