@@ -232,6 +232,23 @@ __device__ __forceinline__ T list_get(const T (&v)[S], int e) {
   return __shfl_sync(kFull, x, e % 32);
 }
 
+// Each lane's point (squared distance pd, row pi; infinity for none) that beats the
+// warp's k-th best enters the list, one at a time; kth follows the list.
+template <int S>
+__device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
+                                            int32_t (&id)[S], float& kth, int k,
+                                            int lane) {
+  for (unsigned better = __ballot_sync(kFull, pd < kth); better; better &= better - 1) {
+    const int src = __ffs(better) - 1;
+    const float c = __shfl_sync(kFull, pd, src);
+    const int32_t ci = __shfl_sync(kFull, pi, src);
+    if (c < kth) {
+      list_insert<S>(d, id, c, ci, lane);
+      kth = list_get<S>(d, k - 1);
+    }
+  }
+}
+
 template <int S, bool SOFTMAX>
 __global__ void __launch_bounds__(kTreeThreads)
     tree_knn_kernel(const float* q, int64_t m, const Point4* ref, int64_t n,
@@ -288,15 +305,7 @@ __global__ void __launch_bounds__(kTreeThreads)
       pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
       pi = p.index;
     }
-    for (unsigned better = __ballot_sync(kFull, pd < kth); better; better &= better - 1) {
-      const int src = __ffs(better) - 1;
-      const float c = __shfl_sync(kFull, pd, src);
-      const int32_t ci = __shfl_sync(kFull, pi, src);
-      if (c < kth) {
-        list_insert<S>(d, id, c, ci, lane);
-        kth = list_get<S>(d, k - 1);
-      }
-    }
+    take_better<S>(pd, pi, d, id, kth, k, lane);
     if (lane == 0) stack[0] = TreeEntry{entry_key(0, L.levels - 1), 0.0f};
     top = 1;
   }
@@ -317,16 +326,7 @@ __global__ void __launch_bounds__(kTreeThreads)
         pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
         pi = p.index;
       }
-      for (unsigned better = __ballot_sync(kFull, pd < kth); better;
-           better &= better - 1) {
-        const int src = __ffs(better) - 1;
-        const float c = __shfl_sync(kFull, pd, src);
-        const int32_t ci = __shfl_sync(kFull, pi, src);
-        if (c < kth) {
-          list_insert<S>(d, id, c, ci, lane);
-          kth = list_get<S>(d, k - 1);
-        }
-      }
+      take_better<S>(pd, pi, d, id, kth, k, lane);
       continue;
     }
     const int64_t c = first + lane;
