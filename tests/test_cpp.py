@@ -208,6 +208,9 @@ def test_the_kernels_limits_come_from_the_library(ops):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_deterministic_mode_gives_one_answer_or_refuses(ops):
+    from extkernels.ops import fused
+
+    fused.prepare()
     q, r = (t.cuda() for t in _clouds("random", 500, 3000))
     r[:1500] = r[1500:]  # every point twice: ties everywhere
     torch.use_deterministic_algorithms(True)
