@@ -35,8 +35,9 @@ __all__ = [
 
 
 def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200):
-    """The fused kNN aggregation (search, softmax, gather: one operator call) with each
-    number of threads per query, beside chapter 9's operator.
+    """The fused kNN aggregation on chapter 9's grid (``index="grid"``; search, softmax,
+    gather: one operator call) with each number of threads per query, beside chapter 9's
+    operator.
 
     Returns:
         DataFrame indexed by ``threads per query`` (``"chapter 9"`` for the C++
@@ -52,9 +53,9 @@ def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200)
         op = torch.ops.extkernels_fused.knn_aggregate_fwd
         for n in lanes:
             ms = time_blocks(
-                lambda n=n: op(p_query, p_ref, feats, k, sigma, n), n_iters
+                lambda n=n: op(p_query, p_ref, feats, k, sigma, n, "grid"), n_iters
             )
-            got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, n)[0]
+            got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, n, "grid")[0]
             rows[str(n)] = (*ms, bool(torch.equal(got, reference)))
     out = pd.DataFrame(rows, index=["ms", "min", "max", "same neighbours"]).T
     return out.rename_axis("threads per query")
