@@ -1,19 +1,21 @@
-"""The ``fused`` backend (chapter 11): the fastest exact projectors of the book, in
-CUDA C++, for both workloads.
+"""The ``fused`` backend (chapters 11 and 14): the fastest exact projectors of the book,
+in CUDA C++, for both workloads.
 
-- ``knn_aggregate``: chapter 9's grid, built with fewer kernels, searched by a group of
-  ``lanes`` threads per query (4 by default) that merge their lists with warp shuffles,
-  with the softmax and the gather in the search's kernel; the backward is chapter 9's
-  scatter.
+- ``knn`` and ``knn_aggregate``: by default (``index="tree"``, chapter 14) a wide tree
+  over the points in Morton order, searched by one warp per query, which stays fast on
+  any geometry; with ``index="grid"`` (chapter 11) chapter 9's grid, built with fewer
+  kernels, searched by a group of ``lanes`` threads per query (4 by default) that merge
+  their lists with warp shuffles. Either way the softmax and the gather run in the
+  search's kernel; the backward is chapter 9's scatter.
 - ``radius_aggregate``: the same grid, walked over the cells that a query's ball
   overlaps by one warp per query (``warp=False``: one thread per (query, feature)); the
   forward hands the grid to the backward as outputs of the operator, so the backward
   does not build it again.
 
-On the CPU the kNN operators run chapter 9's kernels (the lanes are a GPU matter) and
-the radius operators the same walk in C++. The sources live in ``csrc/`` beside the
-C++ backend's headers, which they include; the library is built just in time like
-chapter 9's (:mod:`~.build`).
+On the CPU the kNN operators walk the same tree (or run chapter 9's kernels for the
+grid: the lanes are a GPU matter) and the radius operators the same walk in C++. The
+sources live in ``csrc/`` beside the C++ backend's headers, which they include; the
+library is built just in time like chapter 9's (:mod:`~.build`).
 """
 
 import torch

@@ -1,19 +1,22 @@
 // The tree of tree.h on the GPU (chapter 14).
 //
 // - Build: the cloud's box (partial min/max per block), a Morton code per point, one
-//   radix sort of the codes (CUB), then one warp per leaf gathers
-//   its 32 points in Morton order and reduces their box, and one warp per node of each
-//   level above reduces its 32 children's boxes. Nothing is read back on the host.
-// - Search: one warp per query. The warp tests a node's 32 child boxes at once (a lane
+//   radix sort of the codes (CUB); then, from the sorted codes, where each leaf (an
+//   octree cell of at most 32 points) starts, a running count of the starts, each
+//   leaf's box (a warp per leaf) and each node's box, level by level (a warp per node).
+//   The number of leaves is known on the device only: the kernels loop over as many as
+//   the layout there says, and nothing is read back on the host.
+// - Search: one warp per query. It first takes the 32 points around the query's place
+//   in the Morton order; then the warp tests a node's 32 child boxes at once (a lane
 //   each), sorts the ones nearer than the k-th best so far with a bitonic network of
 //   shuffles and pushes them on a stack in shared memory, nearest on top; at a leaf it
-//   tests 32 points at once and inserts each better one into a list of the k best that
-//   the warp holds, element e in lane e % 32. The softmax and the gather follow in the
-//   same kernel.
+//   tests its points at once and inserts each better one into a list of the k best
+//   that the warp holds, element e in lane e % 32. The softmax and the gather follow in
+//   the same kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
-#include <cub/device/device_radix_sort.cuh>
 #include <c10/cuda/CUDAStream.h>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "fused.h"
 #include "tree.h"
