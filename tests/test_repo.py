@@ -283,7 +283,7 @@ def test_stored_cpp_listings_show_the_sources_as_they_are(
     from extkernels.notebook import cpp_excerpt
     from extkernels.ops.cpp.build import CSRC
 
-    if name.startswith("11_"):  # chapter 11 shows the fused backend's sources
+    if name.startswith(("11_", "14_")):  # chapters 11, 14: the fused backend's sources
         from extkernels.ops.fused.build import CSRC
     assert stored.strip(), f"{name}, cell {cell}: no stored listing"
     assert cpp_excerpt(CSRC / file, start).rstrip() == stored.rstrip(), (
