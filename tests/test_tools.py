@@ -230,6 +230,24 @@ def test_a_floor_variant_projects_through_a_fixed_gather(small_problem):
     assert V.get("knn/floor").available()
 
 
+@pytest.mark.parametrize(
+    "name", ["knn/fused+graphs@panda", "radius/fused+graphs@outlier"]
+)
+def test_a_variant_on_another_cloud_builds_that_cloud_and_its_queries(
+    name, small_problem
+):
+    from extkernels import clouds
+
+    v = V.get(name)
+    _, _, (p_query, p_ref, target) = v.build(small_problem)
+    w = clouds.workload(
+        v.cloud, small_problem.cloud_size(v.workload), side=small_problem.grid_side,
+        seed=small_problem.seed,
+    )
+    assert torch.equal(p_ref.cpu(), w.p_ref) and torch.equal(p_query.cpu(), w.p_query)
+    assert target.shape[0] == p_query.shape[0]
+
+
 @pytest.mark.parametrize("name", ["knn/torch", "radius/torch", "knn/floor"])
 def test_run_eager_variant_at_a_tiny_problem(name, small_problem):
     row = V.run(V.get(name), small_problem)

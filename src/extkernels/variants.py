@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .clouds import workload
 from .data import query_grid, reference_cloud, targets
 from .memory import use_rmm_pool
 from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation
@@ -59,6 +60,9 @@ class Variant:
             graph and replayed (:mod:`extkernels.graphs`); needs a CUDA device.
         mode: ``torch.compile``'s mode (``"reduce-overhead"``: inductor replays the
             compiled graphs as CUDA graphs, around operators tagged unsafe for them).
+        cloud: the reference cloud and queries, one of
+            :data:`extkernels.clouds.GEOMETRIES` (chapter 14); ``"normal"`` is the
+            book's cloud on its query grid.
     """
 
     name: str
@@ -73,6 +77,7 @@ class Variant:
     backward_thread: bool = True
     graphs: bool = False
     mode: str | None = None
+    cloud: str = "normal"
 
     @property
     def op(self) -> str:
@@ -97,11 +102,18 @@ class Variant:
             ``(model, run, (p_query, p_ref, target))``.
         """
         n_ref = prob.cloud_size(self.workload)
-        p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
-        p_query = query_grid(prob.grid_side, device=prob.device)
-        target = targets(prob.n_query, seed=prob.seed, device=prob.device)
+        if self.cloud == "normal":
+            p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
+            p_query = query_grid(prob.grid_side, device=prob.device)
+        else:
+            w = workload(
+                self.cloud, n_ref, side=prob.grid_side, seed=prob.seed,
+                device=prob.device,
+            )
+            p_ref, p_query = w.p_ref, w.p_query
+        target = targets(p_query.shape[0], seed=prob.seed, device=prob.device)
         if self.backend == FLOOR:
-            agg = FixedGather(prob.n_query, n_ref, seed=prob.seed)
+            agg = FixedGather(p_query.shape[0], n_ref, seed=prob.seed)
         elif self.workload == "knn":
             agg = KnnAggregation(prob.k, prob.sigma, self.backend, **self.options)
         else:
@@ -206,6 +218,16 @@ VARIANTS: list[Variant] = [
         chapter=11,
         graphs=True,
     ),
+    # The same projector on a real CAD surface queried in the volume around it, and
+    # with chapter 11's grid instead of the tree (chapter 14).
+    Variant("knn/fused+graphs@panda", "knn", "fused", chapter=14, graphs=True,
+            cloud="panda"),
+    Variant("knn/fused+graphs@spitfire", "knn", "fused", chapter=14, graphs=True,
+            cloud="spitfire"),
+    Variant("knn/fused-grid+graphs", "knn", "fused", chapter=14, graphs=True,
+            options={"index": "grid"}),
+    Variant("knn/fused-grid+graphs@panda", "knn", "fused", chapter=14, graphs=True,
+            options={"index": "grid"}, cloud="panda"),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",
@@ -277,6 +299,10 @@ VARIANTS: list[Variant] = [
         chapter=11,
         graphs=True,
     ),
+    Variant("radius/fused+graphs@panda", "radius", "fused", chapter=14, graphs=True,
+            cloud="panda"),
+    Variant("radius/fused+graphs@outlier", "radius", "fused", chapter=14, graphs=True,
+            cloud="outlier"),
     Variant("radius/floor", "radius", FLOOR, chapter=11),
     Variant("radius/floor+graphs", "radius", FLOOR, chapter=11, graphs=True),
 ]

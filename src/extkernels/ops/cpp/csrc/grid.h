@@ -28,15 +28,58 @@ struct GridParams {
   int dims[3];   // cells per axis; dims[0] * dims[1] * dims[2] <= cell_capacity(n)
 };
 
+// Blocks of the strided partial sums that the grid's box is reduced from (the CUDA
+// moment kernels and the CPU builds use the same split): point j falls in block
+// (j mod (blocks * kRobustChunk)) / kRobustChunk.
+constexpr int kRobustBlocks = 64;
+constexpr int kRobustChunk = 256;
+
+EK_HD int robust_blocks(int64_t n) {
+  const int64_t b = (n + kRobustChunk - 1) / kRobustChunk;
+  return b < 1 ? 1 : (b > kRobustBlocks ? kRobustBlocks : (int)b);
+}
+
+EK_HD int robust_block_of(int64_t j, int blocks) {
+  return (int)((j % ((int64_t)blocks * kRobustChunk)) / kRobustChunk);
+}
+
+// A bound of the cloud that a few far points do not move: the (skip + 1)-th smallest
+// of the blocks' minima (upper: the (skip + 1)-th largest of their maxima), skipping
+// one block in sixteen. A lone outlier moves its own block's extreme only, so the grid
+// covers the bulk of the cloud, and the points beyond it fall in the edge cells
+// (key_of clamps): still found, since the searches clamp to the grid as well.
+EK_HD int robust_skip(int blocks) { return blocks / 16; }
+
+// How many blocks' extremes lie further out than block i's (ties: the lower block
+// first); block i's is the bound when that is robust_skip(blocks). A CUDA thread per
+// block computes its own.
+EK_HD int further_out(const float* extremes, int blocks, int i, bool upper) {
+  const float v = extremes[i];
+  int count = 0;
+  for (int j = 0; j < blocks; ++j) {
+    const float w = extremes[j];
+    count += upper ? (w > v || (w == v && j < i)) : (w < v || (w == v && j < i));
+  }
+  return count;
+}
+
+EK_HD float robust_bound(const float* extremes, int blocks, bool upper) {
+  for (int i = 0; i < blocks; ++i) {
+    if (further_out(extremes, blocks, i, upper) == robust_skip(blocks)) return extremes[i];
+  }
+  return upper ? -INFINITY : INFINITY;
+}
+
 // The grid over the box lo .. hi of n points whose coordinates have standard deviations
 // sd: cubes of side h holding about kPointsPerCell points where the cloud is densest.
 // The volume the points fill is taken, per axis, as the smaller of the box's extent and
 // sqrt(2 pi) sd (the width of a normal distribution's peak): a box sized by a few
 // outliers would put hundreds of points in the central cells. A flat cloud gets one
 // layer of cells; the grid never has more than cell_capacity(n) cells (coarser cells
-// when it would).
+// when it would), and no cell is smaller than min_h (the fused backend's radius walk
+// asks for cells as wide as its radius, chapter 14).
 EK_HD GridParams make_grid(const float lo[3], const float hi[3], const float sd[3],
-                           int64_t n) {
+                           int64_t n, float min_h = 0.0f) {
   GridParams g;
   float volume = 1.0f, widest = 0.0f;
   int spanned = 0;
@@ -56,6 +99,7 @@ EK_HD GridParams make_grid(const float lo[3], const float hi[3], const float sd[
     cells = cells < 1.0f ? 1.0f : cells;
     h = powf(volume / cells, 1.0f / (float)spanned);
     h = h > widest * 1e-6f ? h : widest * 1e-6f;  // float cells stay countable
+    h = h > min_h ? h : min_h;
   }
   const double capacity = (double)cell_capacity(n);
   double total = INFINITY;

@@ -19,28 +19,35 @@ struct Sorted {
   at::Tensor start;  // (cells + 1,) int32: each cell's first sorted point
 };
 
-// The grid and the counting sort of the reference cloud by cell.
-inline Sorted build_grid_cpu(const at::Tensor& p_ref) {
+// The grid and the counting sort of the reference cloud by cell. With robust, the
+// grid's box skips the most extreme blocks' bounds, as the fused backend's CUDA build
+// does (robust_bound, grid.h); no cell is smaller than min_h (make_grid).
+inline Sorted build_grid_cpu(const at::Tensor& p_ref, bool robust = false,
+                             float min_h = 0.0f) {
   const int64_t n = p_ref.size(0);
   const float* p = p_ref.data_ptr<float>();
-  float lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
+  const int blocks = robust ? robust_blocks(n) : 1;
+  std::vector<float> lows(3 * blocks, INFINITY), highs(3 * blocks, -INFINITY);
   double sum[3] = {0, 0, 0}, sum2[3] = {0, 0, 0};
   for (int64_t j = 0; j < n; ++j) {
+    const int b = robust ? robust_block_of(j, blocks) : 0;
     for (int a = 0; a < 3; ++a) {
       const float x = p[3 * j + a];
-      lo[a] = std::min(lo[a], x);
-      hi[a] = std::max(hi[a], x);
+      lows[a * blocks + b] = std::min(lows[a * blocks + b], x);
+      highs[a * blocks + b] = std::max(highs[a * blocks + b], x);
       sum[a] += x;
       sum2[a] += (double)x * x;
     }
   }
-  float sd[3];
+  float lo[3], hi[3], sd[3];
   for (int a = 0; a < 3; ++a) {
+    lo[a] = robust_bound(lows.data() + a * blocks, blocks, false);
+    hi[a] = robust_bound(highs.data() + a * blocks, blocks, true);
     const double mean = sum[a] / n;
     sd[a] = (float)std::sqrt(std::max(0.0, sum2[a] / n - mean * mean));
   }
   Sorted s;
-  s.g = make_grid(lo, hi, sd, n);
+  s.g = make_grid(lo, hi, sd, n, min_h);
   const int64_t cells = (int64_t)s.g.dims[0] * s.g.dims[1] * s.g.dims[2];
   std::vector<int64_t> key(n);
   s.start = at::zeros({cells + 1}, p_ref.options().dtype(at::kInt));

@@ -151,7 +151,7 @@ at::Tensor knn_work_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int6
   int64_t* out = work.data_ptr<int64_t>();
   const float* q = p_query.data_ptr<float>();
   const Tree t = which == Index::Tree ? build_tree_cpu(p_ref) : Tree{};
-  const Sorted s = which == Index::Grid ? build_grid_cpu(p_ref) : Sorted{};
+  const Sorted s = which == Index::Grid ? build_grid_cpu(p_ref, /*robust=*/true) : Sorted{};
   EK_DISPATCH_KMAX(k, {
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       TopK<KMAX> best;
@@ -172,10 +172,11 @@ at::Tensor knn_work_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int6
 }
 
 // The grid as the radius operators hand it from forward to backward: sorted points,
-// cell starts padded to cell_capacity(n) + 1 entries, the parameters as bytes.
-SavedGrid build_saved_grid_cpu(const at::Tensor& p_ref) {
+// cell starts padded to cell_capacity(n) + 1 entries, the parameters as bytes. Cells
+// are at least as wide as the radius, as on the GPU.
+SavedGrid build_saved_grid_cpu(const at::Tensor& p_ref, float radius) {
   const int64_t n = p_ref.size(0);
-  Sorted s = build_grid_cpu(p_ref);
+  Sorted s = build_grid_cpu(p_ref, /*robust=*/true, radius);
   SavedGrid d;
   d.ref = s.ref;
   d.start = at::full({cell_capacity(n) + 1}, n, p_ref.options().dtype(at::kInt));
@@ -191,7 +192,7 @@ RadiusOut radius_aggregate_fwd_cpu(const at::Tensor& p_query, const at::Tensor& 
                                    bool /*warp*/) {
   check_radius_args(p_query, p_ref, feats, radius, sigma);
   check_finite(p_query, p_ref, /*capturing=*/false);
-  const SavedGrid d = build_saved_grid_cpu(p_ref);
+  const SavedGrid d = build_saved_grid_cpu(p_ref, (float)radius);
   GridParams g;
   std::memcpy(&g, d.params.data_ptr<uint8_t>(), sizeof(GridParams));
   const int64_t m = p_query.size(0), f = feats.size(1);

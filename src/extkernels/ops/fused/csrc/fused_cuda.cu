@@ -2,6 +2,8 @@
 //
 // - The grid: the box and the spread of the cloud in one pass of partial sums (no
 //   separate min/max and standard-deviation reductions), then chapter 9's counting sort.
+//   The box skips the blocks' most extreme values (robust_bound, grid.h): a far outlier
+//   lands in an edge cell instead of stretching every cell (chapter 14).
 // - kNN: a group of `lanes` threads per query. The lanes walk the same rings and split
 //   each run of points between them, each keeping its own top k; after each ring the
 //   group merges its lists with warp shuffles to learn the k-th best so far, which both
@@ -33,7 +35,6 @@ namespace extkernels {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kMomentBlocks = 64;  // partial sums of the box and spread
 
 int blocks_for(int64_t n, int threads = kThreads) {
   return (int)((n + threads - 1) / threads);
@@ -51,10 +52,10 @@ struct Moments {
 
 // Each block reduces a stride of the cloud to one Moments; the same threads zero the
 // cell counts of the counting sort.
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kRobustChunk)
     moments_kernel(const float* p, int64_t n, Moments* partial, int32_t* counts,
                    int64_t n_counts) {
-  __shared__ Moments shared[256];
+  __shared__ Moments shared[kRobustChunk];
   Moments m;
   for (int a = 0; a < 3; ++a) {
     m.lo[a] = INFINITY;
@@ -92,43 +93,59 @@ __global__ void __launch_bounds__(256)
   if (threadIdx.x == 0) partial[blockIdx.x] = shared[0];
 }
 
-__global__ void params_kernel(const Moments* partial, int blocks, int64_t n,
-                              GridParams* out) {
+// One block of kParamsThreads: a thread per (bound, axis, block) finds whether its
+// block's extreme is the robust bound (further_out, grid.h); then one thread sums the
+// spread and makes the grid.
+constexpr int kParamsThreads = 6 * kRobustBlocks;
+
+__global__ void __launch_bounds__(kParamsThreads)
+    params_kernel(const Moments* partial, int blocks, int64_t n, float min_h,
+                  GridParams* out) {
+  __shared__ float extremes[6][kRobustBlocks];
+  __shared__ float bound[6];  // lo[3], then hi[3]
+  const int t = (int)threadIdx.x, b = t % kRobustBlocks, which = t / kRobustBlocks;
+  const int a = which % 3;
+  const bool upper = which >= 3;
+  if (b < blocks) extremes[which][b] = upper ? partial[b].hi[a] : partial[b].lo[a];
+  __syncthreads();
+  if (b < blocks && further_out(extremes[which], blocks, b, upper) == robust_skip(blocks)) {
+    bound[which] = extremes[which][b];  // a far outlier falls in an edge cell
+  }
+  __syncthreads();
+  if (t != 0) return;
   float lo[3], hi[3], sd[3];
-  for (int a = 0; a < 3; ++a) {
+  for (int axis = 0; axis < 3; ++axis) {
     double s = 0.0, s2 = 0.0;
-    lo[a] = INFINITY;
-    hi[a] = -INFINITY;
-    for (int b = 0; b < blocks; ++b) {
-      lo[a] = fminf(lo[a], partial[b].lo[a]);
-      hi[a] = fmaxf(hi[a], partial[b].hi[a]);
-      s += partial[b].sum[a];
-      s2 += partial[b].sum2[a];
+    for (int c = 0; c < blocks; ++c) {
+      s += partial[c].sum[axis];
+      s2 += partial[c].sum2[axis];
     }
     const double mean = s / (double)n;
     const double var = s2 / (double)n - mean * mean;
-    sd[a] = (float)sqrt(var > 0.0 ? var : 0.0);
+    sd[axis] = (float)sqrt(var > 0.0 ? var : 0.0);
+    lo[axis] = bound[axis];
+    hi[axis] = bound[3 + axis];
   }
-  *out = make_grid(lo, hi, sd, n);
+  *out = make_grid(lo, hi, sd, n, min_h);
 }
 
-SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic) {
+SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, float min_h) {
   const int64_t n = p_ref.size(0);
   const int64_t capacity = cell_capacity(n);
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto bytes = p_ref.options().dtype(at::kByte);
   auto ints = p_ref.options().dtype(at::kInt);
-  const int blocks = (int)std::min<int64_t>(kMomentBlocks, blocks_for(n, 256));
+  const int blocks = robust_blocks(n);  // blocks of kRobustChunk threads
   at::Tensor partial = at::empty({(int64_t)(blocks * sizeof(Moments))}, bytes);
   at::Tensor counts = at::empty({capacity + 1}, ints);
   auto* moments = reinterpret_cast<Moments*>(partial.data_ptr<uint8_t>());
-  moments_kernel<<<blocks, 256, 0, stream>>>(p_ref.data_ptr<float>(), n, moments,
+  moments_kernel<<<blocks, kRobustChunk, 0, stream>>>(p_ref.data_ptr<float>(), n, moments,
                                              counts.data_ptr<int32_t>(), capacity + 1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   SavedGrid d;
   d.params = at::empty({(int64_t)sizeof(GridParams)}, bytes);
   auto* params = reinterpret_cast<GridParams*>(d.params.data_ptr<uint8_t>());
-  params_kernel<<<1, 1, 0, stream>>>(moments, blocks, n, params);
+  params_kernel<<<1, kParamsThreads, 0, stream>>>(moments, blocks, n, min_h, params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor keys = at::empty({n}, ints);
   count_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
@@ -333,7 +350,8 @@ void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
   }
   // In deterministic mode the points of a cell keep one order, so that equally near
   // neighbours come back the same on every call.
-  const SavedGrid d = build_grid(p_ref, at::globalContext().deterministicAlgorithms());
+  const SavedGrid d =
+      build_grid(p_ref, at::globalContext().deterministicAlgorithms(), /*min_h=*/0.0f);
   const int64_t m = p_query.size(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* ref = reinterpret_cast<const Point4*>(d.ref.data_ptr<float>());
@@ -566,7 +584,9 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
   check_radius_args(p_query, p_ref, feats, radius, sigma);
   const c10::cuda::CUDAGuard guard(p_query.device());
   check_finite(p_query, p_ref, capturing());
-  const SavedGrid d = build_grid(p_ref, /*deterministic=*/true);
+  // Cells as wide as the radius: a box query +- radius spans 2 or 3 cells per axis
+  // however dense the cloud (chapter 14's clusters).
+  const SavedGrid d = build_grid(p_ref, /*deterministic=*/true, (float)radius);
   const int64_t m = p_query.size(0), f = feats.size(1);
   at::Tensor out = at::empty({m, f}, feats.options());
   at::Tensor totals = at::empty({m}, p_query.options());

@@ -15,8 +15,9 @@ struct Box {
   int64_t lo[3], hi[3];
 };
 
-// The box of a query, or false when it misses the grid (or a coordinate is not finite,
-// with the value checks off: the query then has no neighbour).
+// The box of a query, clamped to the grid, or false when a coordinate is not finite
+// (with the value checks off: the query then has no neighbour). A box beyond the grid
+// keeps its edge cells: the points beyond the grid's bounds are kept there (key_of).
 EK_HD bool box_of(const float* q, float radius, const GridParams& g, Box& b) {
   for (int a = 0; a < 3; ++a) {
     if (!(q[a] - q[a] == 0.0f)) return false;
@@ -25,7 +26,6 @@ EK_HD bool box_of(const float* q, float radius, const GridParams& g, Box& b) {
     float c1 = floorf((q[a] + radius - g.lo[a]) * g.inv_h);
     c0 = c0 < -1.0f ? -1.0f : (c0 > top ? top : c0);  // no overflow in the casts
     c1 = c1 < -1.0f ? -1.0f : (c1 > top ? top : c1);
-    if (c1 < 0.0f || c0 >= top) return false;
     b.lo[a] = clamp_cell((int64_t)c0, g, a);
     b.hi[a] = clamp_cell((int64_t)c1, g, a);
   }

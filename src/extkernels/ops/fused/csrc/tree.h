@@ -4,7 +4,7 @@
 // - The points are sorted by the Morton code of their position in the cloud's bounding
 //   cube (21 bits per axis), so that consecutive points are near each other.
 // - Level 0 cuts the sorted points into leaves: the coarsest cells of the octree of that
-//   cube that hold at most kFanout points (a run of consecutive points each, found from
+//   cube that hold at most kLeafSize points (a run of consecutive points each, found from
 //   the codes alone; see leaf_starts). Every level above groups kFanout consecutive
 //   nodes of the level below. A node's box bounds its children; nothing else is
 //   stored, the tree is implicit in the order.
@@ -21,9 +21,11 @@
 
 namespace extkernels {
 
-// Children per node, and points per leaf: one warp's width, so that on the GPU the
-// lanes of a warp test a node's children, or a leaf's points, at once.
+// Children per node: one warp's width, so that on the GPU the lanes of a warp test a
+// node's children at once.
 constexpr int kFanout = 32;
+// The most points a leaf holds (at most kFanout, the points of the first guess).
+constexpr int kLeafSize = 32;
 // Levels of a tree over at most 2^31 points: at most 2^31 leaves, then 2^26, ..., 1.
 constexpr int kMaxLevels = 8;
 // Bits of each coordinate in the Morton code.
@@ -164,29 +166,29 @@ EK_HD int common_depth(uint64_t a, uint64_t b) {
 }
 
 // The depth of the leaf that holds sorted point i: 1 + the deepest depth at which
-// kFanout + 1 consecutive points around i share a cell (those cells hold too many),
-// with window[t] = common_depth(code[t], code[t + kFanout]) for t + kFanout < n.
-// Deeper than kMortonBits: points with equal codes, more than kFanout of them.
+// kLeafSize + 1 consecutive points around i share a cell (those cells hold too many),
+// with window[t] = common_depth(code[t], code[t + kLeafSize]) for t + kLeafSize < n.
+// Deeper than kMortonBits: points with equal codes, more than kLeafSize of them.
 EK_HD int leaf_depth(const int8_t* window, int64_t n, int64_t i) {
   int depth = 0;
-  const int64_t first = i >= kFanout ? i - kFanout : 0;
-  for (int64_t t = first; t <= i && t + kFanout < n; ++t) {
+  const int64_t first = i >= kLeafSize ? i - kLeafSize : 0;
+  for (int64_t t = first; t <= i && t + kLeafSize < n; ++t) {
     depth = window[t] + 1 > depth ? window[t] + 1 : depth;
   }
   return depth;
 }
 
 // Whether a leaf starts at sorted point i (codes ascending; run_start, the first point
-// with point i's code, is needed only when more than kFanout points share it: such a
-// run is cut every kFanout points). The leaves partition the points: the coarsest cell
-// holding at most kFanout points is the same for every point in it.
+// with point i's code, is needed only when more than kLeafSize points share it: such a
+// run is cut every kLeafSize points). The leaves partition the points: the coarsest cell
+// holding at most kLeafSize points is the same for every point in it.
 EK_HD bool leaf_starts(const uint64_t* code, const int8_t* window, int64_t n, int64_t i,
                        int64_t run_start) {
   if (i == 0) return true;
   const int depth = leaf_depth(window, n, i);
   const int shared = common_depth(code[i - 1], code[i]);
   if (depth <= kMortonBits) return shared < depth;
-  return shared < kMortonBits || (i - run_start) % kFanout == 0;
+  return shared < kMortonBits || (i - run_start) % kLeafSize == 0;
 }
 
 // A stack entry of the search: a node (its index within its level, and the level) and

@@ -50,8 +50,8 @@ inline Tree build_tree_cpu(const at::Tensor& p_ref) {
   std::vector<uint64_t> code(n);
   std::vector<int8_t> window(n, 0);
   for (int64_t s = 0; s < n; ++s) code[s] = code_out[s] = order[s].first;
-  for (int64_t t = 0; t + kFanout < n; ++t) {
-    window[t] = (int8_t)common_depth(code[t], code[t + kFanout]);
+  for (int64_t t = 0; t + kLeafSize < n; ++t) {
+    window[t] = (int8_t)common_depth(code[t], code[t + kLeafSize]);
   }
   std::vector<int32_t> starts;
   int64_t run_start = 0;
@@ -125,7 +125,7 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     const int level = e.key % kMaxLevels;
     const int64_t node = e.key / kMaxLevels;
     const int64_t first = node * kFanout;
-    if (level == 0) {
+    if (level == 0) {  // the root is a leaf
       const int64_t begin = leaf_start[node], end = leaf_start[node + 1];
       for (int64_t s = begin; s < end; ++s) {
         if (s >= lo && s < hi) continue;  // in the first guess already
@@ -145,6 +145,20 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     }
     if (work) work->boxes += end - first;
     std::sort(children, children + kept);
+    if (level == 1) {  // leaves: tested at once, nearest first (as the GPU's warp does)
+      for (int s = 0; s < kept; ++s) {
+        if (!(children[s].first < best.worst())) continue;
+        const int64_t begin = leaf_start[children[s].second];
+        const int64_t end = leaf_start[children[s].second + 1];
+        for (int64_t i = begin; i < end; ++i) {
+          if (i >= lo && i < hi) continue;  // in the first guess already
+          const Point4 p = ref[i];
+          best.push(dist2(q[0] - p.x, q[1] - p.y, q[2] - p.z), p.index);
+        }
+        if (work) work->points += end - begin;
+      }
+      continue;
+    }
     for (int s = kept - 1; s >= 0; --s) {  // the nearest on top
       stack[top++] = TreeEntry{entry_key(children[s].second, level - 1), children[s].first};
     }

@@ -8,11 +8,13 @@
 //   the layout there says, and nothing is read back on the host.
 // - Search: one warp per query. It first takes the 32 points around the query's place
 //   in the Morton order; then the warp tests a node's 32 child boxes at once (a lane
-//   each), sorts the ones nearer than the k-th best so far with a bitonic network of
-//   shuffles and pushes them on a stack in shared memory, nearest on top; at a leaf it
-//   tests its points at once and inserts each better one into a list of the k best
-//   that the warp holds, element e in lane e % 32. The softmax and the gather follow in
-//   the same kernel.
+//   each) and ranks the ones nearer than the k-th best so far (by counting when they
+//   are few, with a bitonic network of shuffles when many). Inner nodes go on a stack in
+//   shared memory, nearest on top; the kept leaves of a node are tested at once,
+//   nearest first, their points laid end to end 32 at a time (a leaf holds 12 points on
+//   average, so one leaf per step would leave most lanes idle). Each better point
+//   enters a list of the k best that the warp holds, element e in lane e % 32. The
+//   softmax and the gather follow in the same kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -95,10 +97,10 @@ __device__ __forceinline__ void warp_box(NodeBox& b) {
   }
 }
 
-// window[t]: the octree depth that sorted points t and t + kFanout share.
+// window[t]: the octree depth that sorted points t and t + kLeafSize share.
 __global__ void window_kernel(const uint64_t* code, int64_t n, int8_t* window) {
   const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (t + kFanout < n) window[t] = (int8_t)common_depth(code[t], code[t + kFanout]);
+  if (t + kLeafSize < n) window[t] = (int8_t)common_depth(code[t], code[t + kLeafSize]);
 }
 
 // Which sorted points start a leaf (leaf_starts of tree.h), and each point moved to its
@@ -252,6 +254,54 @@ __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
   }
 }
 
+// Up to this many kept children are ranked by counting; more by the sorting network.
+constexpr int kRankLimit = 8;
+
+// The points of up to 32 leaves (lane i holds the i-th nearest: its index in key, its
+// box's distance in d2), 32 points at a time whatever the leaves' sizes: the leaves'
+// runs of points are laid end to end and lane t takes point t of each window of 32. A
+// leaf whose box is no nearer than the k-th best when its points come up is skipped.
+template <int S>
+__device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
+                                            const int32_t* leaf_start, TreeEntry leaf,
+                                            int n_leaves, int64_t guess, float (&d)[S],
+                                            int32_t (&id)[S], float& kth, int k,
+                                            int lane) {
+  int32_t begin = 0, count = 0;
+  if (lane < n_leaves) {
+    begin = leaf_start[leaf.key];
+    count = leaf_start[leaf.key + 1] - begin;
+  }
+  int end = count;  // where the lane's leaf ends in the windows: an inclusive scan
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int below = __shfl_up_sync(kFull, end, o);
+    if (lane >= o) end += below;
+  }
+  const int first = end - count;
+  const int total = __shfl_sync(kFull, end, 31);
+  for (int base = 0; base < total; base += 32) {
+    const int t = base + lane;
+    int j = 0;  // the last leaf starting at or before t
+#pragma unroll
+    for (int step = 16; step > 0; step /= 2) {
+      const int at = __shfl_sync(kFull, first, j + step);
+      if (j + step < n_leaves && at <= t) j += step;
+    }
+    const float box = __shfl_sync(kFull, leaf.d2, j);
+    const int32_t s = __shfl_sync(kFull, begin, j) + (t - __shfl_sync(kFull, first, j));
+    float pd = INFINITY;
+    int32_t pi = -1;
+    // (the first guess's points are in the list already)
+    if (t < total && box < kth && (s < guess || s >= guess + kFanout)) {
+      const Point4 p = load_point(ref, s);
+      pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
+      pi = p.index;
+    }
+    take_better<S>(pd, pi, d, id, kth, k, lane);
+  }
+}
+
 template <int S, bool SOFTMAX>
 __global__ void __launch_bounds__(kTreeThreads)
     tree_knn_kernel(const float* q, int64_t m, const Point4* ref, int64_t n,
@@ -318,37 +368,49 @@ __global__ void __launch_bounds__(kTreeThreads)
     __syncwarp();  // every lane has read it before any lane pushes over it
     if (!(e.d2 < kth)) continue;
     const int level = e.key % kMaxLevels;
-    const int64_t first = (int64_t)(e.key / kMaxLevels) * kFanout;
-    if (level == 0) {  // a leaf: up to 32 points at once
-      const int64_t s = leaf_start[first / kFanout] + lane;
-      float pd = INFINITY;
-      int32_t pi = -1;
-      // (the first guess's points are in the list already)
-      if (s < leaf_start[first / kFanout + 1] && (s < guess || s >= guess + kFanout)) {
-        const Point4 p = load_point(ref, s);
-        pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
-        pi = p.index;
+    const int64_t node = e.key / kMaxLevels;
+    TreeEntry leaf{0, INFINITY};  // lane i: the i-th nearest leaf to test, or none
+    int n_leaves = 1;
+    if (level == 0) {  // the root is a leaf (32 points or fewer)
+      if (lane == 0) leaf = TreeEntry{(int32_t)node, e.d2};
+    } else {
+      // The node's children, a lane each: the ones nearer than the k-th best, ranked.
+      const int64_t c = node * kFanout + lane;
+      float cd = INFINITY;
+      if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
+      const unsigned kept = __ballot_sync(kFull, cd < kth);
+      if (!kept) continue;
+      const int n_kept = __popc(kept);
+      float key = cd < kth ? cd : INFINITY;
+      int32_t child = (int32_t)c;
+      bool mine = cd < kth;
+      int rank = 0;
+      if (n_kept > kRankLimit) {  // many: a sorting network
+        bitonic_sort(key, child, lane);
+        mine = lane < n_kept;
+        rank = lane;
+      } else {  // few: each counts the ones before it
+        for (unsigned rest = kept; rest; rest &= rest - 1) {
+          const int src = __ffs(rest) - 1;
+          const float other = __shfl_sync(kFull, key, src);
+          const int32_t other_child = __shfl_sync(kFull, child, src);
+          rank += other < key || (other == key && other_child < child);
+        }
       }
-      take_better<S>(pd, pi, d, id, kth, k, lane);
-      continue;
+      if (level > 1) {  // inner nodes wait on the stack, the nearest on top
+        if (mine) stack[top + n_kept - 1 - rank] = TreeEntry{entry_key(child, level - 1), key};
+        top += n_kept;
+        __syncwarp();
+        continue;
+      }
+      // Leaves are tested at once: lane i takes the i-th nearest.
+      if (mine) stack[top + rank] = TreeEntry{child, key};
+      __syncwarp();
+      if (lane < n_kept) leaf = stack[top + lane];
+      n_leaves = n_kept;
+      __syncwarp();
     }
-    const int64_t c = first + lane;
-    float cd = INFINITY;
-    if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
-    const unsigned kept = __ballot_sync(kFull, cd < kth);
-    if (!kept) continue;
-    const int n_kept = __popc(kept);
-    float key = cd < kth ? cd : INFINITY;
-    int32_t child = (int32_t)c;
-    if (n_kept > 1) bitonic_sort(key, child, lane);
-    if (n_kept == 1) {
-      const int src = __ffs(kept) - 1;
-      key = __shfl_sync(kFull, key, src);
-      child = __shfl_sync(kFull, child, src);
-    }
-    if (lane < n_kept) stack[top + n_kept - 1 - lane] = TreeEntry{entry_key(child, level - 1), key};
-    top += n_kept;
-    __syncwarp();
+    test_leaves<S>(qp, ref, leaf_start, leaf, n_leaves, guess, d, id, kth, k, lane);
   }
   // The k best, as distances or softmax weights.
   const float nearest = sqrtf(__shfl_sync(kFull, d[0], 0));
