@@ -2,6 +2,8 @@
 (:mod:`extkernels.experiments.geometry`): shapes, seeds, the meshes' scaling, sampling
 by area, and the summaries the chapter reads."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -116,3 +118,16 @@ def test_targets_say_which_cloud_misses_which_goal():
     shell = goals.loc["shell"]
     assert not shell["<= 0.5 ms"] and not shell["<= 2 ms"] and not shell[">= 10x"]
     assert isinstance(goals, pd.DataFrame)
+
+
+def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
+    path = str(tmp_path / "geometry.json")
+    old = [{"method": "fused", "ms": 1.0}, {"method": "cuml", "ms": 20.0}]
+    geometry._merge_into(path, {"runs": old, "checks": old})
+    new = [{"method": "fused", "ms": 0.5}]
+    geometry._merge_into(path, {"runs": new, "checks": new})
+    data = json.loads((tmp_path / "geometry.json").read_text())
+    for key in ("runs", "checks"):
+        assert sorted((r["method"], r["ms"]) for r in data[key]) == [
+            ("cuml", 20.0), ("fused", 0.5)
+        ]

@@ -334,16 +334,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _merge_into(path: str, parts: dict) -> None:
-    """Adds ``parts`` to the JSON at ``path`` (runs are appended; a method timed again
-    replaces its earlier runs), so that several calls build one file."""
+    """Adds ``parts`` to the JSON at ``path`` (runs and checks are appended; a method
+    timed or checked again replaces its earlier rows), so that several calls build one
+    file."""
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
-    if "runs" in parts and "runs" in data:
-        again = {r["method"] for r in parts["runs"]}
-        parts = {
-            **parts,
-            "runs": [r for r in data["runs"] if r["method"] not in again]
-            + parts["runs"],
-        }
+    for key in ("runs", "checks"):
+        if key in parts and key in data:
+            again = {r["method"] for r in parts[key]}
+            kept = [r for r in data[key] if r["method"] not in again]
+            parts = {**parts, key: kept + parts[key]}
     data.update(parts)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

@@ -19,13 +19,10 @@ struct Sorted {
   at::Tensor start;  // (cells + 1,) int32: each cell's first sorted point
 };
 
-// The grid and the counting sort of the reference cloud by cell. With robust, the
-// grid's box skips the most extreme blocks' bounds, as the fused backend's CUDA build
-// does (robust_bound, grid.h); no cell is smaller than min_h (make_grid).
-inline Sorted build_grid_cpu(const at::Tensor& p_ref, bool robust = false,
-                             float min_h = 0.0f) {
-  const int64_t n = p_ref.size(0);
-  const float* p = p_ref.data_ptr<float>();
+// The box of the cloud (robust: skipping the most extreme blocks' bounds, as the fused
+// backend's CUDA kernels do, robust_bound in grid.h), and the spread of each axis.
+inline void box_and_spread_cpu(const float* p, int64_t n, bool robust, float lo[3],
+                               float hi[3], float sd[3]) {
   const int blocks = robust ? robust_blocks(n) : 1;
   std::vector<float> lows(3 * blocks, INFINITY), highs(3 * blocks, -INFINITY);
   double sum[3] = {0, 0, 0}, sum2[3] = {0, 0, 0};
@@ -39,13 +36,22 @@ inline Sorted build_grid_cpu(const at::Tensor& p_ref, bool robust = false,
       sum2[a] += (double)x * x;
     }
   }
-  float lo[3], hi[3], sd[3];
   for (int a = 0; a < 3; ++a) {
     lo[a] = robust_bound(lows.data() + a * blocks, blocks, false);
     hi[a] = robust_bound(highs.data() + a * blocks, blocks, true);
-    const double mean = sum[a] / n;
-    sd[a] = (float)std::sqrt(std::max(0.0, sum2[a] / n - mean * mean));
+    const double mean = sum[a] / (double)(n > 0 ? n : 1);
+    sd[a] = (float)std::sqrt(std::max(0.0, sum2[a] / (double)(n > 0 ? n : 1) - mean * mean));
   }
+}
+
+// The grid and the counting sort of the reference cloud by cell: with robust, over the
+// robust box; no cell is smaller than min_h (make_grid).
+inline Sorted build_grid_cpu(const at::Tensor& p_ref, bool robust = false,
+                             float min_h = 0.0f) {
+  const int64_t n = p_ref.size(0);
+  const float* p = p_ref.data_ptr<float>();
+  float lo[3], hi[3], sd[3];
+  box_and_spread_cpu(p, n, robust, lo, hi, sd);
   Sorted s;
   s.g = make_grid(lo, hi, sd, n, min_h);
   const int64_t cells = (int64_t)s.g.dims[0] * s.g.dims[1] * s.g.dims[2];

@@ -11,7 +11,9 @@
 //   and the gather follow in the same kernel. 27,000 queries with one thread each fill
 //   a tenth of an H200's warp slots; eight lanes fill most of them.
 // - Radius: a warp per query (or one thread per (query, feature)) walks the cells of the
-//   box query +- radius.
+//   box query +- radius, on a grid whose cells are at least as wide as the radius; where
+//   32 points hold many neighbours, each lane adds its own one's row (rows of up to 32
+//   features), so that a dense neighbourhood's rows load together.
 //   The forward returns the grid and each query's total weight, so the backward scatters
 //   without building the grid again; the grid's sort is made deterministic, so that the
 //   outputs are the same on every call.
@@ -456,13 +458,14 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
 }
 
 // The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
-// at a time, and every point within the radius (found by a ballot, taken in turn) is
-// handed to all 32 lanes at once, as visit(row, weight).
-template <typename Visit>
+// at a time and call chunk(found, row, weight, inside) for each 32: found is the ballot
+// of the lanes whose point lies within the radius (the same in every lane), row and
+// weight the lane's own point's (row 0 and weight 0 when outside).
+template <typename Chunk>
 __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
                                     const int32_t* start, const GridParams& g,
                                     float radius, float inv_sigma, int lane,
-                                    Visit&& visit) {
+                                    Chunk&& chunk) {
   Box b;
   if (!box_of(qp, radius, g, b)) return;  // the same for the whole warp
   for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
@@ -480,22 +483,40 @@ __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
           const float d = sqrtf(dx * dx + dy * dy + dz * dz);
           inside = d <= radius;
           w = inside ? expf(-d * inv_sigma) : 0.0f;
-          index = p.index;
+          index = inside ? p.index : 0;
         }
-        for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
-             found &= found - 1) {
-          const int src = __ffs(found) - 1;
-          visit((int64_t)__shfl_sync(0xffffffffu, index, src),
-                __shfl_sync(0xffffffffu, w, src));
-        }
+        chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
       }
     }
   }
 }
 
+// A chunk's neighbours handed to all 32 lanes in turn, as visit(row, weight).
+template <typename Visit>
+__device__ __forceinline__ void in_turn(unsigned found, int32_t index, float w,
+                                        Visit&& visit) {
+  for (; found; found &= found - 1u) {
+    const int src = __ffs(found) - 1;
+    visit((int64_t)__shfl_sync(0xffffffffu, index, src), __shfl_sync(0xffffffffu, w, src));
+  }
+}
+
+// Above this many neighbours in one chunk, the forward's lanes each add their own
+// neighbour's whole row (rows of at most 32 features) instead of taking the neighbours
+// in turn: a query beside a tight cluster has a thousand neighbours, and in turn it
+// would wait for each row's load one after the other.
+constexpr int kDenseChunk = 8;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // The forward with one warp per query: lane c adds the weighted features c, c + 32, ...
 // (FPL of them) of every neighbour. Every lane adds the same weights, so every lane
-// holds the query's total.
+// holds the query's total. In dense chunks (FPL 1), each lane keeps its own sums of
+// every feature, added across the warp at the end.
 template <typename scalar_t, int FPL>
 __global__ void __launch_bounds__(kThreads)
     radius_warp_fwd_kernel(const float* q, int64_t m, const Point4* ref,
@@ -503,24 +524,48 @@ __global__ void __launch_bounds__(kThreads)
                            float inv_sigma, const scalar_t* feats, int64_t f,
                            scalar_t* out, float* totals) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int kOwn = FPL == 1 ? 32 : 1;  // features a lane sums for itself
   const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   const int lane = (int)(threadIdx.x & 31u);
   if (row >= m) return;  // the whole warp: one row
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-  acc_t acc[FPL];
+  acc_t acc[FPL], own[kOwn];
 #pragma unroll
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
-  float total = 0.0f;
-  for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
-                      [&](int64_t rj, float wj) {
-                        total += wj;
 #pragma unroll
-                        for (int t = 0; t < FPL; ++t) {
-                          const int64_t c = lane + 32 * t;
-                          if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
-                        }
-                      });
+  for (int c = 0; c < kOwn; ++c) own[c] = 0;
+  float total = 0.0f, own_total = 0.0f;
+  bool dense = false;  // the same in every lane
+  for_neighbours_warp(
+      qp, ref, start, g, radius, inv_sigma, lane,
+      [&](unsigned found, int32_t index, float w, bool inside) {
+        if (FPL == 1 && __popc(found) > kDenseChunk) {
+          dense = true;
+          own_total += w;
+#pragma unroll
+          for (int c = 0; c < kOwn; ++c) {
+            if (inside && c < f) own[c] += (acc_t)w * (acc_t)feats[(int64_t)index * f + c];
+          }
+          return;
+        }
+        in_turn(found, index, w, [&](int64_t rj, float wj) {
+          total += wj;
+#pragma unroll
+          for (int t = 0; t < FPL; ++t) {
+            const int64_t c = lane + 32 * t;
+            if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
+          }
+        });
+      });
+  if (dense) {
+#pragma unroll
+    for (int c = 0; c < kOwn; ++c) {
+      const acc_t sum = warp_sum(own[c]);
+      if (c == lane) acc[0] += sum;
+    }
+    total += warp_sum(own_total);
+  }
 #pragma unroll
   for (int t = 0; t < FPL; ++t) {
     const int64_t c = lane + 32 * t;
@@ -551,12 +596,14 @@ __global__ void __launch_bounds__(kThreads)
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
   for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
-                      [&](int64_t rj, float wj) {
+                      [&](unsigned found, int32_t index, float w, bool) {
+                        in_turn(found, index, w, [&](int64_t rj, float wj) {
 #pragma unroll
-                        for (int t = 0; t < FPL; ++t) {
-                          const int64_t c = lane + 32 * t;
-                          if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
-                        }
+                          for (int t = 0; t < FPL; ++t) {
+                            const int64_t c = lane + 32 * t;
+                            if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
+                          }
+                        });
                       });
 }
 

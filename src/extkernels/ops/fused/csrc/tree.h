@@ -1,8 +1,10 @@
 // The spatial index of the fused backend (chapter 14), shared by its CPU and CUDA
 // kernels: a wide bounding-volume hierarchy over the reference points in Morton order.
 //
-// - The points are sorted by the Morton code of their position in the cloud's bounding
-//   cube (21 bits per axis), so that consecutive points are near each other.
+// - The points are sorted by the Morton code of their position in a cube around the
+//   cloud (16 bits per axis), so that consecutive points are near each other. The cube
+//   spans the cloud's box less its few most extreme points (robust_bound, grid.h): a far
+//   outlier takes the code of the nearest face's cell instead of diluting every code.
 // - Level 0 cuts the sorted points into leaves: the coarsest cells of the octree of that
 //   cube that hold at most kLeafSize points (a run of consecutive points each, found from
 //   the codes alone; see leaf_starts). Every level above groups kFanout consecutive
@@ -28,8 +30,11 @@ constexpr int kFanout = 32;
 constexpr int kLeafSize = 32;
 // Levels of a tree over at most 2^31 points: at most 2^31 leaves, then 2^26, ..., 1.
 constexpr int kMaxLevels = 8;
-// Bits of each coordinate in the Morton code.
-constexpr int kMortonBits = 21;
+// Bits of each coordinate in the Morton code: 65,536 cells per axis, so that a dense
+// part 1/5,000 the cloud's width still has its own cells, and 48 bits for the radix
+// sort (six passes; 21 bits, the most a 64-bit code holds, cost eight, 30 bits four but
+// lose small dense parts in a wide cloud, chapter 14).
+constexpr int kMortonBits = 16;
 
 // How many nodes each level holds and where it starts in the node array, for a given
 // number of leaves. The workspace is sized for the most leaves n points can make (n),
@@ -69,7 +74,7 @@ struct alignas(16) NodeBox {
   float pad1;
 };
 
-// Where the Morton codes are measured: the corner of the cloud's bounding cube, and
+// Where the Morton codes are measured: the corner of the cube around the cloud, and
 // codes per unit length. A cube, not the box: cells are cubes, so a slab's leaves are
 // compact patches, not needles.
 struct TreeParams {
@@ -90,7 +95,7 @@ EK_HD TreeParams tree_params(const float lo[3], const float hi[3]) {
   return t;
 }
 
-// The bits of v spread to every third bit of a 63-bit word.
+// The bits of v (kMortonBits of them) spread to every third bit of a 64-bit word.
 EK_HD uint64_t spread_bits(uint32_t v) {
   uint64_t x = v & 0x1fffffu;
   x = (x | x << 32) & 0x1f00000000ffffull;
@@ -162,7 +167,7 @@ EK_HD int common_depth(uint64_t a, uint64_t b) {
 #else
   const int lead = __builtin_clzll(x);
 #endif
-  return (lead - 1) / 3;  // bit 63 is never set
+  return (lead - (64 - 3 * kMortonBits)) / 3;  // the code's top bits are never set
 }
 
 // The depth of the leaf that holds sorted point i: 1 + the deepest depth at which

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "grid_cpu.h"
 #include "tree.h"
 
 namespace extkernels {
@@ -30,13 +31,8 @@ struct Tree {
 inline Tree build_tree_cpu(const at::Tensor& p_ref) {
   const int64_t n = p_ref.size(0);
   const float* p = p_ref.data_ptr<float>();
-  float lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
-  for (int64_t j = 0; j < n; ++j) {
-    for (int a = 0; a < 3; ++a) {
-      lo[a] = std::min(lo[a], p[3 * j + a]);
-      hi[a] = std::max(hi[a], p[3 * j + a]);
-    }
-  }
+  float lo[3], hi[3], sd[3];
+  box_and_spread_cpu(p, n, /*robust=*/true, lo, hi, sd);  // the GPU's Morton cube
   const TreeParams params = tree_params(lo, hi);
   std::vector<std::pair<uint64_t, int32_t>> order(n);
   for (int64_t j = 0; j < n; ++j) {

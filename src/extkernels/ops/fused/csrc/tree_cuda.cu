@@ -27,8 +27,7 @@ namespace extkernels {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kBoxThreads = 256;
-constexpr int kBoxBlocks = 64;
+constexpr int kBoxThreads = kRobustChunk;
 constexpr int kTreeThreads = 128;  // four warps, four queries per block
 constexpr int kWarps = kTreeThreads / 32;
 static_assert(kFanout == 32, "the kernels give one lane to each child of a node");
@@ -67,15 +66,24 @@ __global__ void __launch_bounds__(kBoxThreads)
   }
 }
 
-__global__ void params_kernel(const float* partial, int blocks, TreeParams* out) {
-  float lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
-  for (int b = 0; b < blocks; ++b) {
-    for (int a = 0; a < 3; ++a) {
-      lo[a] = fminf(lo[a], partial[6 * b + a]);
-      hi[a] = fmaxf(hi[a], partial[6 * b + 3 + a]);
-    }
+// The Morton cube from the partial boxes, robust to a few far points as the grid's box
+// is (robust_bound, grid.h): a thread per (bound, axis, block), then one writes it.
+// A point beyond the cube takes the code of the nearest face's cell, so its leaf's box
+// stretches out to it; nothing is lost, and the cube's resolution stays on the bulk.
+constexpr int kParamsThreads = 6 * kRobustBlocks;
+
+__global__ void __launch_bounds__(kParamsThreads)
+    params_kernel(const float* partial, int blocks, TreeParams* out) {
+  __shared__ float extremes[6][kRobustBlocks];
+  __shared__ float bound[6];  // lo[3], then hi[3]
+  const int t = (int)threadIdx.x, b = t % kRobustBlocks, which = t / kRobustBlocks;
+  if (b < blocks) extremes[which][b] = partial[6 * b + which];
+  __syncthreads();
+  if (b < blocks && further_out(extremes[which], blocks, b, which >= 3) == robust_skip(blocks)) {
+    bound[which] = extremes[which][b];
   }
-  *out = tree_params(lo, hi);
+  __syncthreads();
+  if (t == 0) *out = tree_params(bound, bound + 3);
 }
 
 __global__ void morton_kernel(const float* p, int64_t n, const TreeParams* params,
@@ -455,7 +463,7 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   const int64_t n = p_ref.size(0);
   const TreeLayout most = tree_layout(n);  // the workspace: as many leaves as points
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int blocks = (int)std::min<int64_t>(kBoxBlocks, blocks_for(n, kBoxThreads));
+  const int blocks = robust_blocks(n);  // the split of robust_bound (grid.h)
   at::Tensor partial = at::empty({6 * blocks}, p_ref.options());
   box_kernel<<<blocks, kBoxThreads, 0, stream>>>(p_ref.data_ptr<float>(), n,
                                                   partial.data_ptr<float>());
@@ -466,7 +474,7 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   t.layout = at::empty({(int64_t)sizeof(TreeLayout)}, bytes);
   auto* tp = reinterpret_cast<TreeParams*>(t.params.data_ptr<uint8_t>());
   auto* layout = reinterpret_cast<TreeLayout*>(t.layout.data_ptr<uint8_t>());
-  params_kernel<<<1, 1, 0, stream>>>(partial.data_ptr<float>(), blocks, tp);
+  params_kernel<<<1, kParamsThreads, 0, stream>>>(partial.data_ptr<float>(), blocks, tp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto longs = p_ref.options().dtype(at::kLong);
   auto ints = p_ref.options().dtype(at::kInt);
@@ -478,8 +486,8 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   morton_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(p_ref.data_ptr<float>(), n, tp,
                                                         keys_in, rows.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // A radix sort of the 63 bits of the codes, rows as values; stable, so that equal
-  // codes keep their rows' order and the tree is the same on every call.
+  // A radix sort of the codes' 3 * kMortonBits bits, rows as values; stable, so that
+  // equal codes keep their rows' order and the tree is the same on every call.
   size_t temp_bytes = 0;
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       nullptr, temp_bytes, keys_in, keys_out, rows.data_ptr<int32_t>(),
