@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+import extkernels
 from extkernels import clouds
 from extkernels.experiments import geometry
 
@@ -131,3 +132,25 @@ def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
         assert sorted((r["method"], r["ms"]) for r in data[key]) == [
             ("cuml", 20.0), ("fused", 0.5)
         ]
+
+
+def test_radius_targets_compare_each_cloud_with_the_books():
+    rows = [
+        {"geometry": g, "n": 25_000, "method": m, "run": 0,
+         "ms": (3.0 if g == "clusters" else 1.0) * (2 if m == "warp-radius" else 1)}
+        for g in clouds.GEOMETRIES
+        for m in geometry.RADIUS
+    ]
+    goals = geometry.radius_targets(geometry.table(rows))
+    assert goals.loc["clusters", "fused-radius / normal"] == pytest.approx(3.0)
+    assert goals.loc["clusters", "warp-radius"] == pytest.approx(6.0)
+    assert not goals.loc["clusters", "<= 2x normal"]
+    assert goals.drop("clusters")["<= 2x normal"].all()
+
+
+def test_the_radius_method_aggregates_like_the_backend():
+    w = clouds.workload("outlier", 500, side=4)
+    got = geometry._search("fused-radius", w, 7)()
+    feats = torch.randn(500, 25, generator=torch.Generator().manual_seed(0))
+    want = extkernels.radius_aggregate(w.p_query, w.p_ref, feats, 0.1, 0.1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -7,8 +7,10 @@ every cloud of :mod:`~extkernels.clouds`, checked and timed.
 ``bench`` runs every method ``--repeats`` times, each in a fresh Python process that
 times it on every (cloud, size): milliseconds per call of the public entry point
 :func:`extkernels.knn` (search only, k = 7, ``side^3`` queries), the median of 3
-blocks of calls. The table gives, per (cloud, size, method), the median over the
-processes and its spread (min-max), and writes every run as JSON.
+blocks of calls. The radius methods (``fused-radius``, ``warp-radius``) time
+:func:`extkernels.radius_aggregate` the same way (radius 0.1, 25 features). The table
+gives, per (cloud, size, method), the median over the processes and its spread
+(min-max), and writes every run as JSON.
 """
 
 from __future__ import annotations
@@ -27,18 +29,20 @@ import torch
 
 from .. import clouds, reference
 from ..notebook import versions
-from ..ops import fused, knn
+from ..ops import fused, knn, radius_aggregate
 from ..problem import problem
 from ..timing import time_blocks, time_fn
 
 __all__ = [
     "LIBRARIES",
     "METHODS",
+    "RADIUS",
     "at_size",
     "bench",
     "check",
     "load",
     "main",
+    "radius_targets",
     "table",
     "targets",
     "time_method",
@@ -95,9 +99,20 @@ def _cupy_knn(w: clouds.Workload, k: int):
 LIBRARIES = {"cuvs": _cuvs, "cupy-knn": _cupy_knn}
 
 
+#: The radius aggregation on the same clouds (radius and sigma 0.1, 25 features, as
+#: the book's radius projector): name -> backend of :func:`extkernels.radius_aggregate`.
+RADIUS = {"fused-radius": "fused", "warp-radius": "warp"}
+
+
 def _search(method: str, w: clouds.Workload, k: int):
     if method in LIBRARIES:
         return LIBRARIES[method](w, k)
+    if method in RADIUS:
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(w.p_ref.shape[0], 25, generator=g).to(w.p_ref.device)
+        return lambda: radius_aggregate(
+            w.p_query, w.p_ref, feats, 0.1, 0.1, backend=RADIUS[method]
+        )
     backend, options = METHODS[method]
     return lambda: knn(w.p_query, w.p_ref, k, backend=backend, **options)
 
@@ -262,6 +277,19 @@ def targets(
     return out.round(3)
 
 
+def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
+    """Per cloud: each radius method's milliseconds at ``n`` points, its ratio to its
+    time on the book's cloud, and whether the fused backend's stays within the goal of
+    chapter 14 (2x)."""
+    ms = at_size(times, n, list(RADIUS))
+    out = ms.copy()
+    for method in ms.columns:
+        out[f"{method} / normal"] = ms[method] / ms.loc["normal", method]
+    if "fused-radius" in ms:
+        out["<= 2x normal"] = out["fused-radius / normal"] <= 2.0
+    return out.round(3)
+
+
 def work_table(n: int, side: int, k: int = 7) -> pd.DataFrame:
     """The work of one query's search on each cloud, replayed on the CPU (chapter 9's
     grid walk and the tree's descent): the mean cells or boxes looked into and points
@@ -286,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
     )
     ap.add_argument("command", choices=["check", "bench", "run"])
-    ap.add_argument("--methods", default=",".join([*METHODS, *LIBRARIES]))
+    ap.add_argument(
+        "--methods", default=",".join([*METHODS, *LIBRARIES, *RADIUS])
+    )
     ap.add_argument("--geometries", default=",".join(clouds.GEOMETRIES))
     ap.add_argument("--sizes", default="100000")
     ap.add_argument("--side", type=int, default=30)
@@ -306,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check":  # exactness on every cloud
         rows = []
-        for m in methods:
+        for m in [m for m in methods if m not in RADIUS]:  # kNN searches only
             try:
                 rows += check(m, geometries, sizes, side=args.side)
             except Exception as e:  # noqa: BLE001  (a library that fails here)
