@@ -98,21 +98,21 @@ def _work_per_query(name: str, index: str) -> float:
 def test_the_tree_does_the_same_work_on_every_cloud_where_the_grid_falls_off_a_cliff():
     """Boxes or cells looked into plus points tested, per query (chapter 14): the tree's
     stays within 1.5x of its work on the book's cloud on every geometry; the grid's
-    grows more than fourfold on surfaces queried in the volume and on clusters. Its
-    robust box keeps a far outlier from stretching the cells: within 1.5x there."""
+    grows more than fourfold on surfaces queried in the volume, clusters and an
+    outlier."""
     from extkernels import clouds
 
     tree = {g: _work_per_query(g, "tree") for g in clouds.GEOMETRIES}
     grid = {g: _work_per_query(g, "grid") for g in clouds.GEOMETRIES}
     assert max(tree.values()) <= 1.5 * tree["normal"], tree
-    for g in ("panda", "spitfire", "shell", "clusters"):
+    for g in ("panda", "spitfire", "shell", "clusters", "outlier"):
         assert grid[g] >= 4 * grid["normal"], (g, grid)
-    assert grid["outlier"] <= 1.5 * grid["normal"], grid
 
 
 def _beyond_the_box(device):
     """The outlier cloud, queried on its grid, next to the outlier, between it and the
-    cloud, and beyond it: points outside the grid's robust box must still be found."""
+    cloud, and beyond it: points outside a robust box (the radius walk's grid, the
+    tree's Morton cube) must still be found."""
     from extkernels import clouds
 
     w = clouds.workload("outlier", 4000, side=6, device=device)
@@ -171,7 +171,7 @@ def test_the_radius_grid_has_cells_as_wide_as_the_radius_on_tight_clusters(devic
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("index", ["grid", "tree"])
-def test_the_knn_search_finds_points_beyond_the_grids_robust_box(index):
+def test_the_knn_search_finds_points_beyond_a_robust_box(index):
     from extkernels import reference
 
     fused.prepare()

@@ -151,7 +151,7 @@ at::Tensor knn_work_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int6
   int64_t* out = work.data_ptr<int64_t>();
   const float* q = p_query.data_ptr<float>();
   const Tree t = which == Index::Tree ? build_tree_cpu(p_ref) : Tree{};
-  const Sorted s = which == Index::Grid ? build_grid_cpu(p_ref, /*robust=*/true) : Sorted{};
+  const Sorted s = which == Index::Grid ? build_grid_cpu(p_ref) : Sorted{};
   EK_DISPATCH_KMAX(k, {
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       TopK<KMAX> best;

@@ -2,8 +2,10 @@
 //
 // - The grid: the box and the spread of the cloud in one pass of partial sums (no
 //   separate min/max and standard-deviation reductions), then chapter 9's counting sort.
-//   The box skips the blocks' most extreme values (robust_bound, grid.h): a far outlier
-//   lands in an edge cell instead of stretching every cell (chapter 14).
+//   For the radius walk the box skips the blocks' most extreme values (robust_bound,
+//   grid.h): a far outlier lands in an edge cell instead of stretching every cell
+//   (chapter 14). The kNN rings keep the whole box: their stopping rule assumes every
+//   point lies in its cell.
 // - kNN: a group of `lanes` threads per query. The lanes walk the same rings and split
 //   each run of points between them, each keeping its own top k; after each ring the
 //   group merges its lists with warp shuffles to learn the k-th best so far, which both
@@ -11,9 +13,7 @@
 //   and the gather follow in the same kernel. 27,000 queries with one thread each fill
 //   a tenth of an H200's warp slots; eight lanes fill most of them.
 // - Radius: a warp per query (or one thread per (query, feature)) walks the cells of the
-//   box query +- radius, on a grid whose cells are at least as wide as the radius; where
-//   32 points hold many neighbours, each lane adds its own one's row (rows of up to 32
-//   features), so that a dense neighbourhood's rows load together.
+//   box query +- radius, on a grid whose cells are at least as wide as the radius.
 //   The forward returns the grid and each query's total weight, so the backward scatters
 //   without building the grid again; the grid's sort is made deterministic, so that the
 //   outputs are the same on every call.
@@ -96,12 +96,13 @@ __global__ void __launch_bounds__(kRobustChunk)
 }
 
 // One block of kParamsThreads: a thread per (bound, axis, block) finds whether its
-// block's extreme is the robust bound (further_out, grid.h); then one thread sums the
-// spread and makes the grid.
+// block's extreme is the bound, with `skip` blocks further out (0: the whole box;
+// robust_skip: the robust box, further_out in grid.h); then one thread sums the spread
+// and makes the grid.
 constexpr int kParamsThreads = 6 * kRobustBlocks;
 
 __global__ void __launch_bounds__(kParamsThreads)
-    params_kernel(const Moments* partial, int blocks, int64_t n, float min_h,
+    params_kernel(const Moments* partial, int blocks, int64_t n, int skip, float min_h,
                   GridParams* out) {
   __shared__ float extremes[6][kRobustBlocks];
   __shared__ float bound[6];  // lo[3], then hi[3]
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kParamsThreads)
   const bool upper = which >= 3;
   if (b < blocks) extremes[which][b] = upper ? partial[b].hi[a] : partial[b].lo[a];
   __syncthreads();
-  if (b < blocks && further_out(extremes[which], blocks, b, upper) == robust_skip(blocks)) {
+  if (b < blocks && further_out(extremes[which], blocks, b, upper) == skip) {
     bound[which] = extremes[which][b];  // a far outlier falls in an edge cell
   }
   __syncthreads();
@@ -131,7 +132,8 @@ __global__ void __launch_bounds__(kParamsThreads)
   *out = make_grid(lo, hi, sd, n, min_h);
 }
 
-SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, float min_h) {
+SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, bool robust,
+                     float min_h) {
   const int64_t n = p_ref.size(0);
   const int64_t capacity = cell_capacity(n);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -147,7 +149,8 @@ SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, float min_h) {
   SavedGrid d;
   d.params = at::empty({(int64_t)sizeof(GridParams)}, bytes);
   auto* params = reinterpret_cast<GridParams*>(d.params.data_ptr<uint8_t>());
-  params_kernel<<<1, kParamsThreads, 0, stream>>>(moments, blocks, n, min_h, params);
+  const int skip = robust ? robust_skip(blocks) : 0;
+  params_kernel<<<1, kParamsThreads, 0, stream>>>(moments, blocks, n, skip, min_h, params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor keys = at::empty({n}, ints);
   count_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
@@ -353,7 +356,8 @@ void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
   // In deterministic mode the points of a cell keep one order, so that equally near
   // neighbours come back the same on every call.
   const SavedGrid d =
-      build_grid(p_ref, at::globalContext().deterministicAlgorithms(), /*min_h=*/0.0f);
+      build_grid(p_ref, at::globalContext().deterministicAlgorithms(), /*robust=*/false,
+                 /*min_h=*/0.0f);
   const int64_t m = p_query.size(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* ref = reinterpret_cast<const Point4*>(d.ref.data_ptr<float>());
@@ -501,22 +505,9 @@ __device__ __forceinline__ void in_turn(unsigned found, int32_t index, float w,
   }
 }
 
-// Above this many neighbours in one chunk, the forward's lanes each add their own
-// neighbour's whole row (rows of at most 32 features) instead of taking the neighbours
-// in turn: a query beside a tight cluster has a thousand neighbours, and in turn it
-// would wait for each row's load one after the other.
-constexpr int kDenseChunk = 8;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // The forward with one warp per query: lane c adds the weighted features c, c + 32, ...
 // (FPL of them) of every neighbour. Every lane adds the same weights, so every lane
-// holds the query's total. In dense chunks (FPL 1), each lane keeps its own sums of
-// every feature, added across the warp at the end.
+// holds the query's total.
 template <typename scalar_t, int FPL>
 __global__ void __launch_bounds__(kThreads)
     radius_warp_fwd_kernel(const float* q, int64_t m, const Point4* ref,
@@ -524,48 +515,26 @@ __global__ void __launch_bounds__(kThreads)
                            float inv_sigma, const scalar_t* feats, int64_t f,
                            scalar_t* out, float* totals) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int kOwn = FPL == 1 ? 32 : 1;  // features a lane sums for itself
   const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   const int lane = (int)(threadIdx.x & 31u);
   if (row >= m) return;  // the whole warp: one row
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-  acc_t acc[FPL], own[kOwn];
+  acc_t acc[FPL];
 #pragma unroll
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
+  float total = 0.0f;
+  for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
+                      [&](unsigned found, int32_t index, float w, bool) {
+                        in_turn(found, index, w, [&](int64_t rj, float wj) {
+                          total += wj;
 #pragma unroll
-  for (int c = 0; c < kOwn; ++c) own[c] = 0;
-  float total = 0.0f, own_total = 0.0f;
-  bool dense = false;  // the same in every lane
-  for_neighbours_warp(
-      qp, ref, start, g, radius, inv_sigma, lane,
-      [&](unsigned found, int32_t index, float w, bool inside) {
-        if (FPL == 1 && __popc(found) > kDenseChunk) {
-          dense = true;
-          own_total += w;
-#pragma unroll
-          for (int c = 0; c < kOwn; ++c) {
-            if (inside && c < f) own[c] += (acc_t)w * (acc_t)feats[(int64_t)index * f + c];
-          }
-          return;
-        }
-        in_turn(found, index, w, [&](int64_t rj, float wj) {
-          total += wj;
-#pragma unroll
-          for (int t = 0; t < FPL; ++t) {
-            const int64_t c = lane + 32 * t;
-            if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
-          }
-        });
-      });
-  if (dense) {
-#pragma unroll
-    for (int c = 0; c < kOwn; ++c) {
-      const acc_t sum = warp_sum(own[c]);
-      if (c == lane) acc[0] += sum;
-    }
-    total += warp_sum(own_total);
-  }
+                          for (int t = 0; t < FPL; ++t) {
+                            const int64_t c = lane + 32 * t;
+                            if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
+                          }
+                        });
+                      });
 #pragma unroll
   for (int t = 0; t < FPL; ++t) {
     const int64_t c = lane + 32 * t;
@@ -633,7 +602,8 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
   check_finite(p_query, p_ref, capturing());
   // Cells as wide as the radius: a box query +- radius spans 2 or 3 cells per axis
   // however dense the cloud (chapter 14's clusters).
-  const SavedGrid d = build_grid(p_ref, /*deterministic=*/true, (float)radius);
+  const SavedGrid d =
+      build_grid(p_ref, /*deterministic=*/true, /*robust=*/true, (float)radius);
   const int64_t m = p_query.size(0), f = feats.size(1);
   at::Tensor out = at::empty({m, f}, feats.options());
   at::Tensor totals = at::empty({m}, p_query.options());
