@@ -561,3 +561,16 @@ def test_timing_panels_draws_a_panel_per_workload_with_every_variant():
     assert labels == [["knn/a", "knn/b", "knn/c"], ["radius/a"]]
     assert "NVIDIA X" in fig._suptitle.get_text()
     assert len(fig.axes[0].patches) == 6  # a forward and a training bar per variant
+
+
+def test_clouds_table_sets_each_cloud_beside_the_books_cloud():
+    from extkernels import results
+
+    df = pd.DataFrame(
+        {"forward_ms": [0.2, 0.3, 0.1, 1.0], "train_ms": [0.5, 0.6, 0.3, 2.0]},
+        index=["knn/a", "knn/a@panda", "radius/b", "knn/alone"],
+    )
+    t = results.clouds_table(df)
+    assert list(t.index) == [("knn/a", "normal"), ("knn/a", "panda")]
+    assert t.loc[("knn/a", "panda"), "forward / normal"] == pytest.approx(1.5)
+    assert t.loc[("knn/a", "panda"), "train / normal"] == pytest.approx(1.2)

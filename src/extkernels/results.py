@@ -17,7 +17,7 @@ import pandas as pd
 from .reference import published
 from .timing import summary
 
-__all__ = ["load", "book_table", "anchor_table"]
+__all__ = ["load", "book_table", "anchor_table", "clouds_table"]
 
 
 def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
@@ -67,3 +67,27 @@ def anchor_table(df: pd.DataFrame) -> pd.DataFrame:
     ]
     out["this book (median)"] = mine
     return out.fillna("").rename_axis("variant")
+
+
+def clouds_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Variants timed on another cloud (``name@cloud``, chapter 14), each beside the
+    same variant on the book's cloud: forward and training-step milliseconds, and
+    their ratios to the book's cloud's."""
+    elsewhere = {name.partition("@")[0] for name in df.index if "@" in name}
+    rows = []
+    for name in df.index:
+        base, _, cloud = name.partition("@")
+        if base not in df.index or base not in elsewhere:
+            continue
+        rows.append(
+            {
+                "variant": base,
+                "cloud": cloud or "normal",
+                "forward ms": df.loc[name, "forward_ms"],
+                "train ms": df.loc[name, "train_ms"],
+                "forward / normal": df.loc[name, "forward_ms"]
+                / df.loc[base, "forward_ms"],
+                "train / normal": df.loc[name, "train_ms"] / df.loc[base, "train_ms"],
+            }
+        )
+    return pd.DataFrame(rows).set_index(["variant", "cloud"]).round(3)
