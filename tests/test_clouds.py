@@ -130,14 +130,20 @@ def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
     data = json.loads((tmp_path / "geometry.json").read_text())
     for key in ("runs", "checks"):
         assert sorted((r["method"], r["ms"]) for r in data[key]) == [
-            ("cuml", 20.0), ("fused", 0.5)
+            ("cuml", 20.0),
+            ("fused", 0.5),
         ]
 
 
 def test_radius_targets_compare_each_cloud_with_the_books():
     rows = [
-        {"geometry": g, "n": 25_000, "method": m, "run": 0,
-         "ms": (3.0 if g == "clusters" else 1.0) * (2 if m == "warp-radius" else 1)}
+        {
+            "geometry": g,
+            "n": 25_000,
+            "method": m,
+            "run": 0,
+            "ms": (3.0 if g == "clusters" else 1.0) * (2 if m == "warp-radius" else 1),
+        }
         for g in clouds.GEOMETRIES
         for m in geometry.RADIUS
     ]

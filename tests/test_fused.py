@@ -118,16 +118,31 @@ def _beyond_the_box(device):
     w = clouds.workload("outlier", 4000, side=6, device=device)
     far = w.p_ref[w.p_ref[:, 0].argmax()]
     extra = far + torch.tensor(
-        [[0.0, 0.0, 0.0], [0.05, 0.1, 0.0], [-0.2, 0.0, 0.1], [5e3, 0.0, 0.0],
-         [-5e3, 0.0, 0.0], [3e4, 2.0, -1.0]], device=device
+        [
+            [0.0, 0.0, 0.0],
+            [0.05, 0.1, 0.0],
+            [-0.2, 0.0, 0.1],
+            [5e3, 0.0, 0.0],
+            [-5e3, 0.0, 0.0],
+            [3e4, 2.0, -1.0],
+        ],
+        device=device,
     )
     return torch.cat([w.p_query, extra]), w.p_ref
 
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")])],
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
 )
 def test_the_radius_walk_finds_points_beyond_the_grids_robust_box(device):
     fused.prepare()
@@ -145,8 +160,16 @@ def test_the_radius_walk_finds_points_beyond_the_grids_robust_box(device):
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")])],
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
 )
 def test_the_radius_grid_has_cells_as_wide_as_the_radius_on_tight_clusters(device):
     """On clusters far denser than the book's cloud, cells sized for two points each
@@ -177,7 +200,8 @@ def test_the_knn_search_finds_points_beyond_a_robust_box(index):
     fused.prepare()
     p_query, p_ref = _beyond_the_box("cuda")
     d, i = torch.ops.extkernels_fused.knn(p_query, p_ref, 7, 8, index)
-    assert reference.validate_knn(p_query, p_ref, d, i, 7, atol=1e-5)
+    scale = float(p_query.abs().max())  # float32 rounding of distances near 10^4
+    assert reference.validate_knn(p_query, p_ref, d, i, 7, atol=1e-6 * scale)
     assert (i[-6:-3] == p_ref[:, 0].argmax()).any(1).all()
 
 

@@ -241,7 +241,9 @@ def test_a_variant_on_another_cloud_builds_that_cloud_and_its_queries(
     v = V.get(name)
     _, _, (p_query, p_ref, target) = v.build(small_problem)
     w = clouds.workload(
-        v.cloud, small_problem.cloud_size(v.workload), side=small_problem.grid_side,
+        v.cloud,
+        small_problem.cloud_size(v.workload),
+        side=small_problem.grid_side,
         seed=small_problem.seed,
     )
     assert torch.equal(p_ref.cpu(), w.p_ref) and torch.equal(p_query.cpu(), w.p_query)

@@ -107,7 +107,10 @@ class Variant:
             p_query = query_grid(prob.grid_side, device=prob.device)
         else:
             w = workload(
-                self.cloud, n_ref, side=prob.grid_side, seed=prob.seed,
+                self.cloud,
+                n_ref,
+                side=prob.grid_side,
+                seed=prob.seed,
                 device=prob.device,
             )
             p_ref, p_query = w.p_ref, w.p_query
@@ -128,6 +131,21 @@ class Variant:
             else model
         )
         return model, run_model, (p_query, p_ref, target)
+
+
+def _elsewhere(workload: str, cloud: str, *, grid: bool = False) -> Variant:
+    """The fused projector in one CUDA graph on another cloud (``name@cloud``), or with
+    chapter 11's grid instead of the tree (chapter 14)."""
+    suffix = "" if cloud == "normal" else f"@{cloud}"
+    return Variant(
+        f"{workload}/fused{'-grid' if grid else ''}+graphs{suffix}",
+        workload,
+        "fused",
+        chapter=14,
+        graphs=True,
+        options={"index": "grid"} if grid else {},
+        cloud=cloud,
+    )
 
 
 VARIANTS: list[Variant] = [
@@ -218,16 +236,12 @@ VARIANTS: list[Variant] = [
         chapter=11,
         graphs=True,
     ),
-    # The same projector on a real CAD surface queried in the volume around it, and
+    # The same projector on real CAD surfaces queried in the volume around them, and
     # with chapter 11's grid instead of the tree (chapter 14).
-    Variant("knn/fused+graphs@panda", "knn", "fused", chapter=14, graphs=True,
-            cloud="panda"),
-    Variant("knn/fused+graphs@spitfire", "knn", "fused", chapter=14, graphs=True,
-            cloud="spitfire"),
-    Variant("knn/fused-grid+graphs", "knn", "fused", chapter=14, graphs=True,
-            options={"index": "grid"}),
-    Variant("knn/fused-grid+graphs@panda", "knn", "fused", chapter=14, graphs=True,
-            options={"index": "grid"}, cloud="panda"),
+    _elsewhere("knn", "panda"),
+    _elsewhere("knn", "spitfire"),
+    _elsewhere("knn", "normal", grid=True),
+    _elsewhere("knn", "panda", grid=True),
     Variant("radius/torch", "radius", "torch", chapter=5),
     Variant(
         "radius/torch+compile",
@@ -299,10 +313,8 @@ VARIANTS: list[Variant] = [
         chapter=11,
         graphs=True,
     ),
-    Variant("radius/fused+graphs@panda", "radius", "fused", chapter=14, graphs=True,
-            cloud="panda"),
-    Variant("radius/fused+graphs@outlier", "radius", "fused", chapter=14, graphs=True,
-            cloud="outlier"),
+    _elsewhere("radius", "panda"),
+    _elsewhere("radius", "outlier"),
     Variant("radius/floor", "radius", FLOOR, chapter=11),
     Variant("radius/floor+graphs", "radius", FLOOR, chapter=11, graphs=True),
 ]

@@ -314,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
     )
     ap.add_argument("command", choices=["check", "bench", "run"])
-    ap.add_argument(
-        "--methods", default=",".join([*METHODS, *LIBRARIES, *RADIUS])
-    )
+    ap.add_argument("--methods", default=",".join([*METHODS, *LIBRARIES, *RADIUS]))
     ap.add_argument("--geometries", default=",".join(clouds.GEOMETRIES))
     ap.add_argument("--sizes", default="100000")
     ap.add_argument("--side", type=int, default=30)

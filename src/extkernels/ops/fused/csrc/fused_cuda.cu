@@ -143,8 +143,8 @@ SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, bool robust,
   at::Tensor partial = at::empty({(int64_t)(blocks * sizeof(Moments))}, bytes);
   at::Tensor counts = at::empty({capacity + 1}, ints);
   auto* moments = reinterpret_cast<Moments*>(partial.data_ptr<uint8_t>());
-  moments_kernel<<<blocks, kRobustChunk, 0, stream>>>(p_ref.data_ptr<float>(), n, moments,
-                                             counts.data_ptr<int32_t>(), capacity + 1);
+  moments_kernel<<<blocks, kRobustChunk, 0, stream>>>(
+      p_ref.data_ptr<float>(), n, moments, counts.data_ptr<int32_t>(), capacity + 1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   SavedGrid d;
   d.params = at::empty({(int64_t)sizeof(GridParams)}, bytes);
@@ -462,14 +462,13 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
 }
 
 // The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
-// at a time and call chunk(found, row, weight, inside) for each 32: found is the ballot
-// of the lanes whose point lies within the radius (the same in every lane), row and
-// weight the lane's own point's (row 0 and weight 0 when outside).
-template <typename Chunk>
+// at a time, and every point within the radius (found by a ballot, taken in turn) is
+// handed to all 32 lanes at once, as visit(row, weight).
+template <typename Visit>
 __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
                                     const int32_t* start, const GridParams& g,
                                     float radius, float inv_sigma, int lane,
-                                    Chunk&& chunk) {
+                                    Visit&& visit) {
   Box b;
   if (!box_of(qp, radius, g, b)) return;  // the same for the whole warp
   for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
@@ -487,21 +486,16 @@ __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
           const float d = sqrtf(dx * dx + dy * dy + dz * dz);
           inside = d <= radius;
           w = inside ? expf(-d * inv_sigma) : 0.0f;
-          index = inside ? p.index : 0;
+          index = p.index;
         }
-        chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
+        for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
+             found &= found - 1) {
+          const int src = __ffs(found) - 1;
+          visit((int64_t)__shfl_sync(0xffffffffu, index, src),
+                __shfl_sync(0xffffffffu, w, src));
+        }
       }
     }
-  }
-}
-
-// A chunk's neighbours handed to all 32 lanes in turn, as visit(row, weight).
-template <typename Visit>
-__device__ __forceinline__ void in_turn(unsigned found, int32_t index, float w,
-                                        Visit&& visit) {
-  for (; found; found &= found - 1u) {
-    const int src = __ffs(found) - 1;
-    visit((int64_t)__shfl_sync(0xffffffffu, index, src), __shfl_sync(0xffffffffu, w, src));
   }
 }
 
@@ -525,15 +519,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
   float total = 0.0f;
   for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
-                      [&](unsigned found, int32_t index, float w, bool) {
-                        in_turn(found, index, w, [&](int64_t rj, float wj) {
-                          total += wj;
+                      [&](int64_t rj, float wj) {
+                        total += wj;
 #pragma unroll
-                          for (int t = 0; t < FPL; ++t) {
-                            const int64_t c = lane + 32 * t;
-                            if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
-                          }
-                        });
+                        for (int t = 0; t < FPL; ++t) {
+                          const int64_t c = lane + 32 * t;
+                          if (c < f) acc[t] += (acc_t)wj * (acc_t)feats[rj * f + c];
+                        }
                       });
 #pragma unroll
   for (int t = 0; t < FPL; ++t) {
@@ -565,14 +557,12 @@ __global__ void __launch_bounds__(kThreads)
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
   for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
-                      [&](unsigned found, int32_t index, float w, bool) {
-                        in_turn(found, index, w, [&](int64_t rj, float wj) {
+                      [&](int64_t rj, float wj) {
 #pragma unroll
-                          for (int t = 0; t < FPL; ++t) {
-                            const int64_t c = lane + 32 * t;
-                            if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
-                          }
-                        });
+                        for (int t = 0; t < FPL; ++t) {
+                          const int64_t c = lane + 32 * t;
+                          if (c < f) atomicAdd(grad + rj * f + c, (acc_t)wj * go[t]);
+                        }
                       });
 }
 
