@@ -109,6 +109,19 @@ def test_the_tree_does_the_same_work_on_every_cloud_where_the_grid_falls_off_a_c
         assert grid[g] >= 4 * grid["normal"], (g, grid)
 
 
+#: Both devices; the GPU's only where there is one.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
 def _beyond_the_box(device):
     """The outlier cloud, queried on its grid, next to the outlier, between it and the
     cloud, and beyond it: points outside a robust box (the radius walk's grid, the
@@ -131,19 +144,7 @@ def _beyond_the_box(device):
     return torch.cat([w.p_query, extra]), w.p_ref
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_radius_walk_finds_points_beyond_the_grids_robust_box(device):
     fused.prepare()
     p_query, p_ref = _beyond_the_box(device)
@@ -158,19 +159,7 @@ def test_the_radius_walk_finds_points_beyond_the_grids_robust_box(device):
     assert out[-6:-4].abs().sum() > 0  # the queries at the outlier found it
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_radius_grid_has_cells_as_wide_as_the_radius_on_tight_clusters(device):
     """On clusters far denser than the book's cloud, cells sized for two points each
     would make a box query +- radius walk thousands of cells; the radius walk's grid
