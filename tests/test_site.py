@@ -169,6 +169,19 @@ def test_no_console_or_page_errors(opened: Opened):
     _fail_if(opened.errors, f"{opened.path}: errors while loading")
 
 
+def test_math_renders_offline(opened: Opened):
+    """Math is typeset by the site's own copy of MathJax, with the network cut."""
+    written = opened.page.locator("span.math, div.math").count()
+    if written == 0:
+        pytest.skip("no math on this page")
+    opened.page.wait_for_function(
+        "n => document.querySelectorAll('mjx-container').length >= n",
+        arg=written,
+        timeout=15_000,
+    )
+    assert "\\(" not in opened.page.inner_text(COLUMN)
+
+
 def test_every_image_loads(opened: Opened):
     broken = opened.page.evaluate(
         """() => Array.from(document.images)
