@@ -53,6 +53,19 @@ def small_problem():
     )
 
 
+#: The CPU, and the GPU where there is one (marked `gpu`).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
 def toc_files() -> list[str]:
     """The book's pages as `_toc.yml` names them: the root, then every chapter's
     `file:`."""

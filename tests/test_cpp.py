@@ -11,6 +11,7 @@ import sysconfig
 
 import pytest
 import torch
+from conftest import DEVICES
 
 cKDTree = pytest.importorskip("scipy.spatial").cKDTree
 
@@ -20,17 +21,6 @@ from extkernels.ops.cpp import build  # noqa: E402
 pytestmark = pytest.mark.skipif(
     not cpp.available(), reason="no C++ compiler or ninja on this machine"
 )
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 @pytest.fixture(scope="module")

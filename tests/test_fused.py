@@ -5,6 +5,7 @@ a bad ``lanes`` is refused by the operator and by its fake, and the schemas' def
 
 import pytest
 import torch
+from conftest import DEVICES
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import extkernels as ek
@@ -107,19 +108,6 @@ def test_the_tree_does_the_same_work_on_every_cloud_where_the_grid_falls_off_a_c
     assert max(tree.values()) <= 1.5 * tree["normal"], tree
     for g in ("panda", "spitfire", "shell", "clusters", "outlier"):
         assert grid[g] >= 4 * grid["normal"], (g, grid)
-
-
-#: Both devices; the GPU's only where there is one.
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 def _beyond_the_box(device):

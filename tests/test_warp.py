@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import extkernels
 from extkernels.experiments import warp_interop as wi
@@ -25,16 +26,6 @@ from extkernels.training import make_train_step
 
 pytestmark = pytest.mark.skipif(not wb.available(), reason="warp-lang is not installed")
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 N_REF = 400
 GRID_SIDE = 5
 N_FEATS = 25

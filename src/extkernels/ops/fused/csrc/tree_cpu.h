@@ -113,6 +113,15 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
   }
   const int64_t hi = std::min<int64_t>(n, lo + kFanout);
   if (work) work->points += hi - lo;
+  auto test_leaf = [&](int64_t leaf) {  // its points, but the first guess's
+    const int64_t begin = leaf_start[leaf], end = leaf_start[leaf + 1];
+    for (int64_t s = begin; s < end; ++s) {
+      if (s >= lo && s < hi) continue;  // in the first guess already
+      const Point4 p = ref[s];
+      best.push(dist2(q[0] - p.x, q[1] - p.y, q[2] - p.z), p.index);
+    }
+    if (work) work->points += end - begin;
+  };
   stack[top++] = TreeEntry{entry_key(0, L.levels - 1), 0.0f};
   std::pair<float, int64_t> children[kFanout];
   while (top > 0) {
@@ -122,13 +131,7 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     const int64_t node = e.key / kMaxLevels;
     const int64_t first = node * kFanout;
     if (level == 0) {  // the root is a leaf
-      const int64_t begin = leaf_start[node], end = leaf_start[node + 1];
-      for (int64_t s = begin; s < end; ++s) {
-        if (s >= lo && s < hi) continue;  // in the first guess already
-        const Point4 p = ref[s];
-        best.push(dist2(q[0] - p.x, q[1] - p.y, q[2] - p.z), p.index);
-      }
-      if (work) work->points += end - begin;
+      test_leaf(node);
       continue;
     }
     const int64_t end = std::min<int64_t>(L.count[level - 1], first + kFanout);
@@ -143,15 +146,7 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     std::sort(children, children + kept);
     if (level == 1) {  // leaves: tested at once, nearest first (as the GPU's warp does)
       for (int s = 0; s < kept; ++s) {
-        if (!(children[s].first < best.worst())) continue;
-        const int64_t begin = leaf_start[children[s].second];
-        const int64_t end = leaf_start[children[s].second + 1];
-        for (int64_t i = begin; i < end; ++i) {
-          if (i >= lo && i < hi) continue;  // in the first guess already
-          const Point4 p = ref[i];
-          best.push(dist2(q[0] - p.x, q[1] - p.y, q[2] - p.z), p.index);
-        }
-        if (work) work->points += end - begin;
+        if (children[s].first < best.worst()) test_leaf(children[s].second);
       }
       continue;
     }
