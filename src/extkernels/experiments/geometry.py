@@ -362,11 +362,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _merge_into(path: str, parts: dict) -> None:
-    """Adds ``parts`` to the JSON at ``path`` (runs and checks are appended; a method
-    timed or checked again replaces its earlier rows), so that several calls build one
-    file."""
+    """Adds ``parts`` to the JSON at ``path`` (runs, checks and traits are appended; a
+    method timed or checked again replaces its earlier rows), so that several calls
+    build one file."""
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
-    for key in ("runs", "checks"):
+    for key in ("runs", "checks", "traits"):
         if key in parts and key in data:
             again = {r["method"] for r in parts[key]}
             kept = [r for r in data[key] if r["method"] not in again]

@@ -13,7 +13,10 @@
 //   and the gather follow in the same kernel. 27,000 queries with one thread each fill
 //   a tenth of an H200's warp slots; eight lanes fill most of them.
 // - Radius: a warp per query (or one thread per (query, feature)) walks the cells of the
-//   box query +- radius, on a grid whose cells are at least as wide as the radius.
+//   box query +- radius, on a grid whose cells are at least as wide as the radius. A
+//   query whose box holds more than kDenseBox points (beside a tight cluster) is left to
+//   a second kernel, in which each lane adds its own neighbours' rows: taken in turn, a
+//   thousand neighbours would wait for their rows' loads one after the other.
 //   The forward returns the grid and each query's total weight, so the backward scatters
 //   without building the grid again; the grid's sort is made deterministic, so that the
 //   outputs are the same on every call.
@@ -499,21 +502,42 @@ __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
   }
 }
 
+// Points in the box query +- radius, from the runs' starts alone: a query's work.
+__device__ int64_t box_points(const float* qp, const int32_t* start, const GridParams& g,
+                              float radius) {
+  Box b;
+  if (!box_of(qp, radius, g, b)) return 0;
+  int64_t n = 0;
+  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
+    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
+      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+      n += start[column + b.hi[2] + 1] - start[column + b.lo[2]];
+    }
+  }
+  return n;
+}
+
+// Boxes with more points than this go to radius_dense_fwd_kernel (rows of up to 32
+// features); on the book's cloud a box holds a few dozen.
+constexpr int64_t kDenseBox = 256;
+
 // The forward with one warp per query: lane c adds the weighted features c, c + 32, ...
 // (FPL of them) of every neighbour. Every lane adds the same weights, so every lane
-// holds the query's total.
+// holds the query's total. With `dense`, boxes of more than kDenseBox points are left
+// to radius_dense_fwd_kernel.
 template <typename scalar_t, int FPL>
 __global__ void __launch_bounds__(kThreads)
     radius_warp_fwd_kernel(const float* q, int64_t m, const Point4* ref,
                            const int32_t* start, const GridParams* params, float radius,
                            float inv_sigma, const scalar_t* feats, int64_t f,
-                           scalar_t* out, float* totals) {
+                           scalar_t* out, float* totals, bool dense) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   const int lane = (int)(threadIdx.x & 31u);
   if (row >= m) return;  // the whole warp: one row
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  if (dense && box_points(qp, start, g, radius) > kDenseBox) return;
   acc_t acc[FPL];
 #pragma unroll
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
@@ -532,6 +556,66 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t c = lane + 32 * t;
     if (c < f) out[row * f + c] = (scalar_t)(total > 0.0f ? acc[t] / (acc_t)total : acc_t(0));
   }
+  if (lane == 0) totals[row] = total;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The forward of the queries whose box holds more than kDenseBox points, one warp each:
+// every lane tests one point of 32 and, when it lies within the radius, adds its whole
+// row (f <= 32) to sums of its own, so that 32 rows load together; the lanes' sums are
+// added across the warp at the end, in the same order on every call.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    radius_dense_fwd_kernel(const float* q, int64_t m, const Point4* ref,
+                            const int32_t* start, const GridParams* params, float radius,
+                            float inv_sigma, const scalar_t* feats, int64_t f,
+                            scalar_t* out, float* totals) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
+  const int lane = (int)(threadIdx.x & 31u);
+  if (row >= m) return;
+  const GridParams g = *params;
+  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  if (box_points(qp, start, g, radius) <= kDenseBox) return;  // radius_warp_fwd_kernel's
+  Box b;
+  box_of(qp, radius, g, b);
+  acc_t own[32];
+#pragma unroll
+  for (int c = 0; c < 32; ++c) own[c] = 0;
+  float own_total = 0.0f;
+  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
+    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
+      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+      const int32_t end = start[column + b.hi[2] + 1];
+      for (int32_t j = start[column + b.lo[2]] + lane; j < end; j += 32) {
+        const Point4 p = load_point(ref, j);
+        const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+        const float d = sqrtf(dx * dx + dy * dy + dz * dz);
+        if (d > radius) continue;
+        const float w = expf(-d * inv_sigma);
+        own_total += w;
+        const scalar_t* x_row = feats + (int64_t)p.index * f;
+#pragma unroll
+        for (int c = 0; c < 32; ++c) {
+          if (c < f) own[c] += (acc_t)w * (acc_t)x_row[c];
+        }
+      }
+    }
+  }
+  const float total = warp_sum(own_total);
+  acc_t mine = 0;
+#pragma unroll
+  for (int c = 0; c < 32; ++c) {
+    const acc_t sum = warp_sum(own[c]);
+    if (c == lane) mine = sum;
+  }
+  if (lane < f) out[row * f + lane] = (scalar_t)(total > 0.0f ? mine / (acc_t)total : acc_t(0));
   if (lane == 0) totals[row] = total;
 }
 
@@ -602,12 +686,20 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
   const auto* params = reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>());
   AT_DISPATCH_FLOATING_TYPES_AND_HALF(feats.scalar_type(), "radius_fwd_cuda", [&] {
     if (warp && f <= kMaxWarpFeatures) {
+      const bool dense = f <= 32;  // its rows fit the dense kernel's lanes
       EK_DISPATCH_FPL(f, {
         radius_warp_fwd_kernel<scalar_t, FPL><<<blocks_for(m * 32), kThreads, 0, stream>>>(
             p_query.data_ptr<float>(), m, ref, d.start.data_ptr<int32_t>(), params,
             (float)radius, (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f,
-            out.data_ptr<scalar_t>(), totals.data_ptr<float>());
+            out.data_ptr<scalar_t>(), totals.data_ptr<float>(), dense);
       });
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (dense) {
+        radius_dense_fwd_kernel<scalar_t><<<blocks_for(m * 32), kThreads, 0, stream>>>(
+            p_query.data_ptr<float>(), m, ref, d.start.data_ptr<int32_t>(), params,
+            (float)radius, (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f,
+            out.data_ptr<scalar_t>(), totals.data_ptr<float>());
+      }
       return;
     }
     radius_fwd_kernel<scalar_t><<<blocks_for(m * f), kThreads, 0, stream>>>(
