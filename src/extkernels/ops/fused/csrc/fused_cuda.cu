@@ -14,9 +14,10 @@
 //   a tenth of an H200's warp slots; eight lanes fill most of them.
 // - Radius: a warp per query (or one thread per (query, feature)) walks the cells of the
 //   box query +- radius, on a grid whose cells are at least as wide as the radius. A
-//   query whose box holds more than kDenseBox points (beside a tight cluster) is left to
-//   a second kernel, in which each lane adds its own neighbours' rows: taken in turn, a
-//   thousand neighbours would wait for their rows' loads one after the other.
+//   query whose box holds more than kDenseBox points (beside a tight cluster) is put on
+//   a list for a second kernel, in which each lane adds its own neighbours' rows where
+//   32 points hold many: taken in turn, a thousand neighbours would wait for their
+//   rows' loads one after the other.
 //   The forward returns the grid and each query's total weight, so the backward scatters
 //   without building the grid again; the grid's sort is made deterministic, so that the
 //   outputs are the same on every call.
@@ -523,21 +524,24 @@ constexpr int64_t kDenseBox = 256;
 
 // The forward with one warp per query: lane c adds the weighted features c, c + 32, ...
 // (FPL of them) of every neighbour. Every lane adds the same weights, so every lane
-// holds the query's total. With `dense`, boxes of more than kDenseBox points are left
-// to radius_dense_fwd_kernel.
+// holds the query's total. Given a `dense` list, a query whose box holds more than
+// kDenseBox points is appended to it instead, for radius_dense_fwd_kernel.
 template <typename scalar_t, int FPL>
 __global__ void __launch_bounds__(kThreads)
     radius_warp_fwd_kernel(const float* q, int64_t m, const Point4* ref,
                            const int32_t* start, const GridParams* params, float radius,
                            float inv_sigma, const scalar_t* feats, int64_t f,
-                           scalar_t* out, float* totals, bool dense) {
+                           scalar_t* out, float* totals, int32_t* dense) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   const int lane = (int)(threadIdx.x & 31u);
   if (row >= m) return;  // the whole warp: one row
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-  if (dense && box_points(qp, start, g, radius) > kDenseBox) return;
+  if (dense != nullptr && box_points(qp, start, g, radius) > kDenseBox) {
+    if (lane == 0) dense[1 + atomicAdd(dense, 1)] = (int32_t)row;  // dense[0]: count
+    return;
+  }
   acc_t acc[FPL];
 #pragma unroll
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
@@ -566,57 +570,78 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-// The forward of the queries whose box holds more than kDenseBox points, one warp each:
-// every lane tests one point of 32 and, when it lies within the radius, adds its whole
-// row (f <= 32) to sums of its own, so that 32 rows load together; the lanes' sums are
-// added across the warp at the end, in the same order on every call.
+// The forward of the queries on the `dense` list (dense[0] of them, rows of at most 32
+// features): a few warps per SM take them in turn. The lanes test 32 points at a time;
+// where more than kDenseChunk lie within the radius, each lane adds its own one's whole
+// row to sums of its own, so that the rows load together, and otherwise the neighbours
+// are taken in turn as in radius_warp_fwd_kernel. The sums are added across the warp at
+// the end, in the same order on every call, whichever warp takes the query.
+constexpr int kDenseChunk = 8;
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-    radius_dense_fwd_kernel(const float* q, int64_t m, const Point4* ref,
+    radius_dense_fwd_kernel(const float* q, const int32_t* dense, const Point4* ref,
                             const int32_t* start, const GridParams* params, float radius,
                             float inv_sigma, const scalar_t* feats, int64_t f,
                             scalar_t* out, float* totals) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
   const int lane = (int)(threadIdx.x & 31u);
-  if (row >= m) return;
+  const int warps = (int)(gridDim.x * blockDim.x / 32);
   const GridParams g = *params;
-  const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-  if (box_points(qp, start, g, radius) <= kDenseBox) return;  // radius_warp_fwd_kernel's
-  Box b;
-  box_of(qp, radius, g, b);
-  acc_t own[32];
+  for (int i = (int)((blockIdx.x * blockDim.x + threadIdx.x) / 32); i < dense[0];
+       i += warps) {
+    const int64_t row = dense[1 + i];
+    const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+    Box b;
+    box_of(qp, radius, g, b);
+    acc_t acc = 0, own[32];
 #pragma unroll
-  for (int c = 0; c < 32; ++c) own[c] = 0;
-  float own_total = 0.0f;
-  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
-    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
-      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
-      const int32_t end = start[column + b.hi[2] + 1];
-      for (int32_t j = start[column + b.lo[2]] + lane; j < end; j += 32) {
-        const Point4 p = load_point(ref, j);
-        const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
-        const float d = sqrtf(dx * dx + dy * dy + dz * dz);
-        if (d > radius) continue;
-        const float w = expf(-d * inv_sigma);
-        own_total += w;
-        const scalar_t* x_row = feats + (int64_t)p.index * f;
+    for (int c = 0; c < 32; ++c) own[c] = 0;
+    float total = 0.0f, own_total = 0.0f;
+    for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
+      for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
+        const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+        const int32_t end = start[column + b.hi[2] + 1];
+        for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
+          const int32_t j = j0 + lane;
+          float w = 0.0f;
+          int32_t index = 0;
+          if (j < end) {
+            const Point4 p = load_point(ref, j);
+            const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+            const float d = sqrtf(dx * dx + dy * dy + dz * dz);
+            w = d <= radius ? expf(-d * inv_sigma) : 0.0f;
+            index = p.index;
+          }
+          const unsigned found = __ballot_sync(0xffffffffu, w > 0.0f);
+          if (__popc(found) > kDenseChunk) {
+            own_total += w;
+            const scalar_t* x_row = feats + (int64_t)index * f;
 #pragma unroll
-        for (int c = 0; c < 32; ++c) {
-          if (c < f) own[c] += (acc_t)w * (acc_t)x_row[c];
+            for (int c = 0; c < 32; ++c) {
+              if (w > 0.0f && c < f) own[c] += (acc_t)w * (acc_t)x_row[c];
+            }
+            continue;
+          }
+          for (unsigned left = found; left; left &= left - 1u) {
+            const int src = __ffs(left) - 1;
+            const int64_t rj = __shfl_sync(0xffffffffu, index, src);
+            const float wj = __shfl_sync(0xffffffffu, w, src);
+            total += wj;
+            if (lane < f) acc += (acc_t)wj * (acc_t)feats[rj * f + lane];
+          }
         }
       }
     }
-  }
-  const float total = warp_sum(own_total);
-  acc_t mine = 0;
+    total += warp_sum(own_total);
 #pragma unroll
-  for (int c = 0; c < 32; ++c) {
-    const acc_t sum = warp_sum(own[c]);
-    if (c == lane) mine = sum;
+    for (int c = 0; c < 32; ++c) {
+      const acc_t sum = warp_sum(own[c]);
+      if (c == lane) acc += sum;
+    }
+    if (lane < f) out[row * f + lane] = (scalar_t)(total > 0.0f ? acc / (acc_t)total : acc_t(0));
+    if (lane == 0) totals[row] = total;
   }
-  if (lane < f) out[row * f + lane] = (scalar_t)(total > 0.0f ? mine / (acc_t)total : acc_t(0));
-  if (lane == 0) totals[row] = total;
 }
 
 // Its adjoint, one warp per query: the same walk, an atomic addition per (neighbour,
@@ -686,7 +711,14 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
   const auto* params = reinterpret_cast<const GridParams*>(d.params.data_ptr<uint8_t>());
   AT_DISPATCH_FLOATING_TYPES_AND_HALF(feats.scalar_type(), "radius_fwd_cuda", [&] {
     if (warp && f <= kMaxWarpFeatures) {
-      const bool dense = f <= 32;  // its rows fit the dense kernel's lanes
+      // Rows of up to 32 features: queries with dense boxes listed for the second kernel
+      // (dense[0] counts them), which a few warps per SM take in turn.
+      int32_t* dense = nullptr;
+      at::Tensor listed;
+      if (f <= 32) {
+        listed = at::zeros({m + 1}, p_query.options().dtype(at::kInt));
+        dense = listed.data_ptr<int32_t>();
+      }
       EK_DISPATCH_FPL(f, {
         radius_warp_fwd_kernel<scalar_t, FPL><<<blocks_for(m * 32), kThreads, 0, stream>>>(
             p_query.data_ptr<float>(), m, ref, d.start.data_ptr<int32_t>(), params,
@@ -694,9 +726,12 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
             out.data_ptr<scalar_t>(), totals.data_ptr<float>(), dense);
       });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (dense) {
-        radius_dense_fwd_kernel<scalar_t><<<blocks_for(m * 32), kThreads, 0, stream>>>(
-            p_query.data_ptr<float>(), m, ref, d.start.data_ptr<int32_t>(), params,
+      if (dense != nullptr) {
+        int sms = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                              p_query.device().index()));
+        radius_dense_fwd_kernel<scalar_t><<<2 * sms, kThreads, 0, stream>>>(
+            p_query.data_ptr<float>(), dense, ref, d.start.data_ptr<int32_t>(), params,
             (float)radius, (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f,
             out.data_ptr<scalar_t>(), totals.data_ptr<float>());
       }
