@@ -3,13 +3,14 @@ helpers."""
 
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
 import extkernels
-from extkernels import benchmark, notebook, profiling, timing
+from extkernels import benchmark, notebook, profiling, results, timing
 from extkernels import variants as V
 
 CPU = torch.device("cpu")
@@ -576,3 +577,65 @@ def test_clouds_table_sets_each_cloud_beside_the_books_cloud():
     assert list(t.index) == [("knn/a", "normal"), ("knn/a", "panda")]
     assert t.loc[("knn/a", "panda"), "forward / normal"] == pytest.approx(1.5)
     assert t.loc[("knn/a", "panda"), "train / normal"] == pytest.approx(1.2)
+
+
+def test_summary_says_n_a_where_there_is_no_peak_memory():
+    rows = [
+        {
+            "variant": v,
+            "forward_ms": 1.0,
+            "train_ms": 2.0,
+            "peak_mb": p,
+            "hardware": "x",
+        }
+        for v, p in (("a", 12.4), ("b", float("nan")))
+    ]
+    out = timing.summary(timing.timings_frame(rows))
+    assert out["peak MiB"].tolist() == ["12", "n/a"]
+
+
+def test_floors_are_shown_without_speedups():
+    df = pd.DataFrame(
+        {
+            "forward_ms": [2.0, 1.0],
+            "forward_min": [2.0, 1.0],
+            "forward_max": [2.0, 1.0],
+            "train_ms": [4.0, 2.0],
+            "train_min": [4.0, 2.0],
+            "train_max": [4.0, 2.0],
+            "forward_speedup": [5.0, 10.0],
+            "train_speedup": [5.0, 10.0],
+            "peak_mb": [1.0, 1.0],
+        },
+        index=pd.Index(["knn/cpp", "knn/floor"], name="variant"),
+    )
+    out = results.book_table(df, {"knn/cpp": 9, "knn/floor": 9})
+    assert out.loc["knn/cpp", "× eager fwd"] == 5.0
+    assert out.loc["knn/floor", "× eager fwd"] == ""
+    assert results.is_floor(df).tolist() == [False, True]
+
+
+def test_the_guide_reads_every_number_from_the_measurements():
+    """Each row's numbers come from the committed files: changing a measurement
+    changes the guide."""
+    from extkernels import guide
+    from extkernels.experiments import geometry
+
+    data = Path(__file__).parents[1] / "book" / "data"
+    _, bench = results.load(data / "benchmark-h200.json")
+    _, clouds = results.load(data / "benchmark-clouds-h200.json")
+    _, times, _ = geometry.load(data / "geometry-h200.json")
+    table = guide.guide(bench, clouds, times)
+    assert table.notna().all().all() and len(table) == 7
+    before = table.loc["kNN in a training loop, any cloud", "on the book's cloud"]
+    bench.loc["knn/fused+graphs", "train_ms"] = 123.0
+    after = guide.guide(bench, clouds, times)
+    assert (
+        before != after.loc["kNN in a training loop, any cloud", "on the book's cloud"]
+    )
+    assert (
+        "123.000 ms"
+        in after.loc["kNN in a training loop, any cloud", "on the book's cloud"]
+    )
+    assert guide.source_lines("torch") > 0
+    assert guide.source_lines("fused") > guide.source_lines("torch")

@@ -17,7 +17,7 @@ import pandas as pd
 from .reference import published
 from .timing import summary
 
-__all__ = ["load", "book_table", "anchor_table", "clouds_table"]
+__all__ = ["load", "book_table", "anchor_table", "clouds_table", "is_floor"]
 
 
 def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
@@ -41,12 +41,21 @@ def measured(meta: dict) -> str:
     return first if first == last else f"{first} to {last}"
 
 
+def is_floor(df: pd.DataFrame) -> pd.Series:
+    """Which rows are floors: the model with no aggregation at all, a bound on what any
+    variant can take rather than a variant to rank."""
+    return pd.Series(df.index.str.contains("floor"), index=df.index)
+
+
 def book_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
     """Every variant: its chapter, then the chapters' own summary of its timings
     (:func:`~extkernels.timing.summary`: median and range of the runs, speedups, peak
-    MiB)."""
+    MiB). Floors get no speedups: they aggregate nothing."""
     out = summary(df)
     out.insert(0, "chapter", [chapters.get(v, "") for v in df.index])
+    for column in ("× eager fwd", "× eager train"):
+        if column in out:
+            out[column] = out[column].astype(object).where(~is_floor(df), "")
     return out
 
 

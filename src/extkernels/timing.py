@@ -216,7 +216,11 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     if "forward_speedup" in df:
         out["× eager fwd"] = df["forward_speedup"].round(1)
         out["× eager train"] = df["train_speedup"].round(1)
-    out["peak MiB"] = df["peak_mb"].round(0)
+    # no figure where PyTorch's allocator is not the one used (RMM's pool, chapter 4;
+    # a CPU): "n/a", not NaN
+    out["peak MiB"] = [
+        "n/a" if v != v else f"{v:.0f}" for v in df["peak_mb"].to_numpy()
+    ]
     if "first_call_s" in df and df["first_call_s"].notna().any():
         out["first call s"] = df["first_call_s"].round(1)
     return out.rename_axis("variant")
