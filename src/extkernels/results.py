@@ -14,10 +14,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from .reference import published
+from .reference import not_like_for_like, published
 from .timing import summary
 
-__all__ = ["load", "book_table", "anchor_table", "clouds_table", "is_floor"]
+__all__ = [
+    "load",
+    "run_card",
+    "runs_per_variant",
+    "book_table",
+    "anchor_table",
+    "clouds_table",
+    "is_floor",
+]
 
 
 def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
@@ -31,6 +39,29 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
     ]
     df[numeric] = df[numeric].apply(pd.to_numeric, errors="coerce")
     return data["meta"], df
+
+
+def runs_per_variant(df: pd.DataFrame) -> str:
+    """How many fresh-process runs the variants of a table had: "5", or "3 to 5" when
+    they differ."""
+    lo, hi = int(df["repeats"].min()), int(df["repeats"].max())
+    return str(lo) if lo == hi else f"{lo} to {hi}"
+
+
+def run_card(meta: dict, df: pd.DataFrame) -> pd.DataFrame:
+    """What produced a benchmark file (``meta``, and its table ``df``): hardware, when,
+    runs per variant, sizes and software versions, as a one-column table."""
+    sizes = meta.get("sizes", {})
+    card = {
+        "hardware": meta["hardware"],
+        "measured (UTC)": measured(meta),
+        "runs per variant": runs_per_variant(df),
+        "kNN clouds": f"{sizes['n_ref']:,} reference points" if sizes else "",
+        "radius clouds": f"{sizes['n_ref_radius']:,} reference points" if sizes else "",
+        "queries": f"{sizes['n_query']:,}" if sizes else "",
+        **meta.get("versions", {}),
+    }
+    return pd.Series(card, name="benchmark run").to_frame()
 
 
 def measured(meta: dict) -> str:
@@ -75,6 +106,10 @@ def anchor_table(df: pd.DataFrame) -> pd.DataFrame:
         for v in out.index
     ]
     out["this book (median)"] = mine
+    out["same computation?"] = [
+        f"no: {not_like_for_like[v]}" if v in not_like_for_like else "yes"
+        for v in out.index
+    ]
     return out.fillna("").rename_axis("variant")
 
 
