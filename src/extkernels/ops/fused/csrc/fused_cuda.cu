@@ -21,6 +21,9 @@
 //   The forward returns the grid and each query's total weight, so the backward scatters
 //   without building the grid again; the grid's sort is made deterministic, so that the
 //   outputs are the same on every call.
+#include <array>
+#include <atomic>
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -571,7 +574,7 @@ __device__ __forceinline__ T warp_sum(T v) {
 }
 
 // The forward of the queries on the `dense` list (dense[0] of them, rows of at most 32
-// features): a few warps per SM take them in turn. The lanes test 32 points at a time;
+// features): as many warps as the GPU holds at once take them in turn. The lanes test 32 points at a time;
 // where more than kDenseChunk lie within the radius, each lane adds its own one's whole
 // row to sums of its own, so that the rows load together, and otherwise the neighbours
 // are taken in turn as in radius_warp_fwd_kernel. The sums are added across the warp at
@@ -642,6 +645,24 @@ __global__ void __launch_bounds__(kThreads)
     if (lane < f) out[row * f + lane] = (scalar_t)(total > 0.0f ? acc / (acc_t)total : acc_t(0));
     if (lane == 0) totals[row] = total;
   }
+}
+
+// Blocks of radius_dense_fwd_kernel that the GPU holds at once (the list's length is on
+// the device), found once per device: the occupancy query costs more than the launch.
+template <typename scalar_t>
+int dense_blocks(int device) {
+  static std::array<std::atomic<int>, 64> known{};
+  TORCH_CHECK(device >= 0 && device < 64, "p_query: expected a CUDA device index below 64");
+  int blocks = known[device].load();
+  if (blocks == 0) {
+    int sms = 0, per_sm = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, radius_dense_fwd_kernel<scalar_t>, kThreads, 0));
+    blocks = sms * std::max(per_sm, 1);
+    known[device].store(blocks);
+  }
+  return blocks;
 }
 
 // Its adjoint, one warp per query: the same walk, an atomic addition per (neighbour,
@@ -727,10 +748,8 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
       });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (dense != nullptr) {
-        int sms = 0;
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                              p_query.device().index()));
-        radius_dense_fwd_kernel<scalar_t><<<2 * sms, kThreads, 0, stream>>>(
+        const int blocks = dense_blocks<scalar_t>(p_query.device().index());
+        radius_dense_fwd_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
             p_query.data_ptr<float>(), dense, ref, d.start.data_ptr<int32_t>(), params,
             (float)radius, (float)(1.0 / sigma), feats.data_ptr<scalar_t>(), f,
             out.data_ptr<scalar_t>(), totals.data_ptr<float>());
