@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .experiments import geometry
+from . import results
 
 __all__ = ["GLOSSARY", "TOOLCHAIN", "guide", "source_lines"]
 
@@ -84,7 +84,7 @@ def _train(bench: pd.DataFrame, variant: str) -> str:
 
 
 def _worst(times: pd.DataFrame, method: str, n: int = 1_000_000) -> str:
-    ms = geometry.at_size(times, n, [method])[method]
+    ms = results.at_size(times, n, [method])[method]
     return f"up to {ms.max():,.0f} ms per search at 10^6 points ({ms.idxmax()})"
 
 
@@ -95,15 +95,15 @@ def guide(
     book's cloud (``bench``, the benchmark command's table), how it fares on real
     geometry (``times``, the geometry command's table; ``clouds``, the benchmark's
     variants on other clouds) and what it costs to adopt."""
-    tree = geometry.targets(times)
+    tree = results.targets(times)
     train = clouds["train_ms"]
     mesh_ratio = max(
         train[f"knn/fused+graphs@{m}"] / train["knn/fused+graphs"]
         for m in ("panda", "spitfire")
     )
-    radius = geometry.radius_targets(times)
+    radius = results.radius_targets(times)
     fused_x, warp_x = radius["fused-radius / normal"], radius["warp-radius / normal"]
-    cuml = geometry.at_size(times, 1_000_000, ["cuml"])["cuml"]
+    cuml = results.at_size(times, 1_000_000, ["cuml"])["cuml"]
     rows = [
         (
             "A reference to test against, a prototype",

@@ -31,6 +31,7 @@ from .. import clouds, reference
 from ..notebook import versions
 from ..ops import fused, knn, radius_aggregate
 from ..problem import problem
+from ..results import at_size, radius_targets, targets
 from ..timing import time_blocks, time_fn
 
 __all__ = [
@@ -246,48 +247,6 @@ def load(path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     exactness checks."""
     data = json.loads(Path(path).read_text())
     return data["meta"], table(data["runs"]), pd.DataFrame(data.get("checks", []))
-
-
-def at_size(times: pd.DataFrame, n: int, methods) -> pd.DataFrame:
-    """Median milliseconds at ``n`` points: a row per cloud, a column per method."""
-    part = times.xs(n, level="n")["ms"].unstack("method")
-    return part[[m for m in methods if m in part]].reindex(list(clouds.GEOMETRIES))
-
-
-def targets(
-    times: pd.DataFrame, method: str = "fused", rival: str = "cuml"
-) -> pd.DataFrame:
-    """Per cloud: ``method`` at 10^5 and 10^6 points, its speedup over ``rival`` at
-    10^6 (medians of the same runs), and whether each stays within the goal of
-    chapter 14 (0.5 ms, 2 ms, 10x)."""
-    small, large = (
-        at_size(times, 100_000, [method, rival]),
-        at_size(times, 1_000_000, [method, rival]),
-    )
-    out = pd.DataFrame(
-        {
-            "ms at 10^5": small[method],
-            "ms at 10^6": large[method],
-            f"x {rival} at 10^6": large[rival] / large[method],
-        }
-    )
-    out["<= 0.5 ms"] = out["ms at 10^5"] <= 0.5
-    out["<= 2 ms"] = out["ms at 10^6"] <= 2.0
-    out[">= 10x"] = out[f"x {rival} at 10^6"] >= 10
-    return out.round(3)
-
-
-def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
-    """Per cloud: each radius method's milliseconds at ``n`` points, its ratio to its
-    time on the book's cloud, and whether the fused backend's stays within the goal of
-    chapter 14 (2x)."""
-    ms = at_size(times, n, list(RADIUS))
-    out = ms.copy()
-    for method in ms.columns:
-        out[f"{method} / normal"] = ms[method] / ms.loc["normal", method]
-    if "fused-radius" in ms:
-        out["<= 2x normal"] = out["fused-radius / normal"] <= 2.0
-    return out.round(3)
 
 
 def work_table(n: int, side: int, k: int = 7) -> pd.DataFrame:
