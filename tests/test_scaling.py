@@ -68,3 +68,19 @@ def test_a_tail_slope_reads_the_largest_sizes_only():
     tail = scaling.slopes(df, "n_ref", tail=2)["b"]
     assert whole < 0.8
     assert tail == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_sweeps_read_by_size_compare_and_say_where_a_backend_pays():
+    xs = [1e3, 1e4, 1e5, 1e6]
+    grid = _curve("grid", xs, 0.5, 1.0, spread=0.01)
+    brute = _curve("torch", xs, 1.0, 1e-2, spread=0.01)
+    always = _curve("fused", xs, 0.1, 1e-3, spread=0.01)
+    sweeps = {("kNN", "N"): pd.concat([grid, brute, always])}
+    ms = scaling.value_at(sweeps, "kNN", "N", 1e6, "grid")
+    assert ms == pytest.approx(1e3)
+    assert scaling.compare_at(sweeps, "kNN", "N", 1e6, "grid", "torch") == "faster than"
+    assert scaling.compare_at(sweeps, "kNN", "N", 1e3, "grid", "torch") == "slower than"
+    pay = scaling.pays_from(sweeps)
+    assert pay.loc["grid", "kNN vs N"] == "100,000"
+    assert pay.loc["fused", "kNN vs N"] == "always"
+    assert "torch" not in pay.index

@@ -17,9 +17,9 @@ import torch
 from ..data import features, query_grid, reference_cloud
 from ..ops import knn_aggregate, radius_aggregate
 from ..ops.checks import value_checks
-from ..timing import peak_memory_mb, time_blocks, time_fn
+from ..timing import peak_memory_mb, ranked, time_blocks, time_fn
 
-__all__ = ["sweep", "slopes", "crossover"]
+__all__ = ["sweep", "slopes", "crossover", "value_at", "compare_at", "pays_from"]
 
 
 def _call(op: str, backend: str, p_query, p_ref, feats, *, k, sigma, radius):
@@ -137,3 +137,48 @@ def crossover(df: pd.DataFrame, a: str, b: str, x: str, y: str = "ms") -> float:
         else:
             break
     return float(found)
+
+
+def _x(against: str) -> str:
+    return "n_ref" if against == "N" else "n_query"
+
+
+def value_at(
+    sweeps: dict, workload: str, against: str, size: int, backend: str, column="ms"
+) -> float:
+    """One measurement of the sweeps (``{(workload, against): sweep table}``): the
+    ``column`` (``ms``, ``min`` or ``max``) of ``backend`` at ``size``."""
+    df = sweeps[(workload, against)]
+    row = df[(df[_x(against)] == size) & (df["backend"] == backend)]
+    return float(row[column].iloc[0])
+
+
+def compare_at(
+    sweeps: dict, workload: str, against: str, size: int, a: str, b: str
+) -> str:
+    """``a`` against ``b`` at ``size``, in words (:func:`~extkernels.timing.ranked`
+    of the two spreads): "faster than", "slower than" or "within the spread of"."""
+    spread = [
+        tuple(value_at(sweeps, workload, against, size, n, c) for c in ("min", "max"))
+        for n in (a, b)
+    ]
+    return ranked(*spread, same="within the spread of")
+
+
+def pays_from(sweeps: dict, baseline: str = "torch") -> pd.DataFrame:
+    """Where each backend starts to beat ``baseline`` in every sweep
+    (:func:`crossover`): the size, "always" from the smallest, "never", or empty
+    where the backend was not swept."""
+    columns = {}
+    for (workload, against), df in sweeps.items():
+        x, smallest = _x(against), df[_x(against)].min()
+        out = {}
+        for backend in df["backend"].unique():
+            if backend == baseline:
+                continue
+            at = crossover(df, backend, baseline, x)
+            out[backend] = (
+                "never" if at != at else ("always" if at == smallest else f"{at:,.0f}")
+            )
+        columns[f"{workload} vs {against}"] = pd.Series(out)
+    return pd.DataFrame(columns).fillna("")
