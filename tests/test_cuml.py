@@ -122,3 +122,11 @@ def test_far_from_the_origin_rbc_is_exact_and_brute_misses_only_near_ties(
         # the k-th neighbour found is never farther than the true one by more than a
         # near tie
         assert float((d[:, -1] - d_ref[:, -1]).abs().max()) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
+def test_auto_choice_names_one_of_cumls_searches():
+    p_ref = extkernels.reference_cloud(20_000, device="cuda")
+    choice = cuml_backend.auto_choice(p_ref, 7)
+    assert choice in {"brute", "rbc", "ivfflat", "ivfpq"}

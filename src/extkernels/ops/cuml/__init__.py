@@ -14,9 +14,17 @@ import importlib.util
 import torch
 
 from ..registry import Backend, register
-from .ops import ALGORITHMS, DEFAULT_ALGORITHM, knn_op, knn_plain
+from .ops import ALGORITHMS, DEFAULT_ALGORITHM, auto_choice, knn_op, knn_plain
 
-__all__ = ["ALGORITHMS", "BACKEND", "available", "knn", "knn_op", "knn_plain"]
+__all__ = [
+    "ALGORITHMS",
+    "BACKEND",
+    "auto_choice",
+    "available",
+    "knn",
+    "knn_op",
+    "knn_plain",
+]
 
 
 def available() -> bool:

@@ -30,7 +30,14 @@ import torch
 from ..checks import check_knn
 from ..registry import CUDAGRAPH_UNSAFE
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "centred", "knn_plain", "knn_op"]
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "auto_choice",
+    "centred",
+    "knn_plain",
+    "knn_op",
+]
 
 #: cuML's exact searches: ``brute`` compares every pair (in the expanded form); ``rbc``,
 #: the random ball cover, prunes with the triangle inequality around sampled landmarks.
@@ -58,6 +65,16 @@ def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str):
         ref
     )
     return nn.kneighbors(query, n_neighbors=k, return_distance=True)
+
+
+def auto_choice(p_ref: torch.Tensor, k: int) -> str:
+    """The search that cuML's default, ``algorithm="auto"``, picks for a reference
+    cloud of this shape and ``k`` (cuML keeps its choice in a private attribute)."""
+    import cupy
+    from cuml.neighbors import NearestNeighbors
+
+    _, ref = centred(p_ref, p_ref)
+    return str(NearestNeighbors(n_neighbors=k).fit(cupy.from_dlpack(ref))._fit_method)
 
 
 def centred(
