@@ -53,17 +53,16 @@ def small_problem():
     )
 
 
+def devices(gpu_ok: bool | None = None, reason: str = "needs CUDA") -> list:
+    """The CPU, and the GPU (marked `gpu`, skipped with ``reason`` unless ``gpu_ok``,
+    by default where CUDA is available)."""
+    ok = torch.cuda.is_available() if gpu_ok is None else gpu_ok
+    marks = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=reason)]
+    return ["cpu", pytest.param("cuda", marks=marks)]
+
+
 #: The CPU, and the GPU where there is one (marked `gpu`).
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
+DEVICES = devices()
 
 
 def toc_files() -> list[str]:

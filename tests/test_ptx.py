@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from conftest import devices
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import extkernels
@@ -24,16 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)"),
-        ],
-    ),
-]
+DEVICES = devices(HOPPER, reason="needs a Hopper GPU (sm_90)")
 GATHER = torch.ops.extkernels_ptx.gather
 SCATTER = torch.ops.extkernels_ptx.scatter
 
