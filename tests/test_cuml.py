@@ -1,14 +1,16 @@
 """What is specific to the ``cuml`` backend: its operator's registration and tracing,
-and, where a CUDA GPU with cuML is present, the ownership of its outputs. The
-conformance suite (tests/test_backends.py) covers exactness, bad inputs, fakes, opcheck
-and compilation."""
+chapter 3's measurements of it, and, where a CUDA GPU with cuML is present, the
+ownership of its outputs. The conformance suite (tests/test_backends.py) covers
+exactness, bad inputs, fakes, opcheck and compilation."""
 
+import pandas as pd
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import extkernels
+from extkernels.experiments import cuml_search
 from extkernels.ops import cuml as cuml_backend
 
 HAS_CUML = cuml_backend.available()
@@ -130,3 +132,80 @@ def test_auto_choice_names_one_of_cumls_searches():
     p_ref = extkernels.reference_cloud(20_000, device="cuda")
     choice = cuml_backend.auto_choice(p_ref, 7)
     assert choice in {"brute", "rbc", "ivfflat", "ivfpq"}
+
+
+def test_the_listed_search_and_fake_are_public_and_the_fake_checks_k():
+    assert {"search", "knn_fake", "knn_op"} <= set(cuml_backend.__all__)
+    assert cuml_backend.search is cuml_backend.ops.search
+    # register_fake hands the function back: chapter 3 lists it under the operator
+    with FakeTensorMode():
+        p_query = torch.empty(4, 3, device="cuda")
+        p_ref = torch.empty(9, 3, device="cuda")
+        d, i = cuml_backend.knn_fake(p_query, p_ref, 2)
+        with pytest.raises(ValueError):
+            cuml_backend.knn_fake(p_query, p_ref, 10)
+    assert (tuple(d.shape), i.dtype) == ((4, 2), torch.int64)
+
+
+def test_wrong_sets_ignore_order_within_a_row_and_count_other_sets():
+    exact = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 4, 8]])
+    found = torch.tensor([[2, 0, 1], [3, 4, 9], [8, 7, 6], [0, 4, 7]])
+    wrong = cuml_search.wrong_sets(found, exact)
+    assert wrong.tolist() == [False, True, False, True]
+    assert cuml_search.wrong_pct(found, exact) == 50.0
+    assert cuml_search.wrong_pct(exact, exact) == 0.0
+    with pytest.raises(ValueError, match="^indices: expected the shape of exact"):
+        cuml_search.wrong_sets(found[:, :2], exact)
+
+
+def _table(rows: dict[str, tuple[float, float, float]]) -> pd.DataFrame:
+    """A timing table with (median, min, max) forward ms per variant; training ms
+    twice that, and speedups over ``knn/torch``."""
+    df = pd.DataFrame(
+        {
+            name: {
+                "forward_ms": m,
+                "forward_min": lo,
+                "forward_max": hi,
+                "train_ms": 2 * m,
+                "train_min": 2 * lo,
+                "train_max": 2 * hi,
+            }
+            for name, (m, lo, hi) in rows.items()
+        }
+    ).T
+    df["forward_speedup"] = df.loc["knn/torch", "forward_ms"] / df["forward_ms"]
+    return df
+
+
+def test_chapter_3_timing_numbers_quote_the_table():
+    table = _table(
+        {
+            "knn/torch": (80.0, 79.0, 81.0),
+            "knn/cuml": (9.0, 8.5, 9.5),
+            "knn/cuml+compile": (10.0, 9.5, 10.5),
+            "knn/cuml-op": (11.0, 10.0, 12.0),
+            "knn/cuml-op+compile": (10.0, 9.0, 11.0),
+        }
+    )
+    numbers = cuml_search.timing_numbers(table)
+    assert numbers == {
+        "cuml_speedup": 8.0,
+        "cuml_fwd_ms": 10.0,
+        "cuml_op_eager_fwd_ms": 11.0,
+        "cuml_plain_fwd_ms": 9.0,
+        "op_vs_plain": "slower than",
+        "compiled_vs_eager_op": "within the run-to-run spread of",
+    }
+    assert all(type(v) in (float, str) for v in numbers.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
+def test_compare_searches_times_both_exact_searches():
+    p_ref = extkernels.reference_cloud(5_000, device="cuda")
+    p_query = extkernels.query_grid(8, device="cuda")
+    table = cuml_search.compare_searches(p_query, p_ref, 5, n_iters=2)
+    assert list(table.index) == list(cuml_backend.ALGORITHMS)
+    assert (table["ms per search"] > 0).all()
+    assert table.loc["rbc", "queries with a wrong neighbour"] == 0

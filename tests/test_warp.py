@@ -10,17 +10,20 @@ the first run of this file pays for it.
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import torch
 from conftest import DEVICES
 
 import extkernels
+from extkernels import timing
 from extkernels.experiments import warp_interop as wi
+from extkernels.experiments import warp_radius as wr
 from extkernels.models import Projector, RadiusAggregation
 from extkernels.ops import warp as wb
 from extkernels.ops.checks import value_checks
 from extkernels.ops.torch import brute_force as torch_backend
-from extkernels.ops.warp import grids, interop
+from extkernels.ops.warp import grids, interop, saved
 from extkernels.ops.warp import ops as wops
 from extkernels.training import make_train_step
 
@@ -84,13 +87,13 @@ def _fresh_grid_cache():
 def backward_calls(monkeypatch):
     """The kinds of backward ("adjoint" or "manual") that actually ran, in order."""
     calls = []
-    impl = wops._backward_impl
+    impl = wops.backward
 
     def spy(*args):
         calls.append(args[-1])
         return impl(*args)
 
-    monkeypatch.setattr(wops, "_backward_impl", spy)
+    monkeypatch.setattr(wops, "backward", spy)
     return calls
 
 
@@ -270,7 +273,7 @@ def test_one_walk_forward_leaves_the_normaliser_kernels_values(device):
         warp_op(p_query, p_ref, feats)
     entry = grids.POOL.take(grids.entry_key(p_query, p_ref, RADIUS, SIGMA))
     where = interop.where(p_ref.device)
-    fresh = wops._new_entry(p_query, p_ref, RADIUS, where)
+    fresh = wops.new_entry(p_query, p_ref, RADIUS, where)
     args = [fresh.grid_id, *fresh.points, RADIUS, SIGMA, *fresh.norm_descs]
     interop.launch(wops.kernels().normaliser, (p_query.shape[0],), args, where)
     for stored, recomputed in zip(entry.norms, fresh.norms, strict=True):
@@ -690,7 +693,7 @@ def test_an_unknown_backward_kind_is_an_error():
     p_query, p_ref, feats = problem("cpu")
     grad_out = torch.zeros(p_query.shape[0], N_FEATS)
     with pytest.raises(ValueError, match="^kind: expected one of"):
-        wops._backward_impl(grad_out, p_query, p_ref, feats, RADIUS, SIGMA, "tape")
+        wops.backward(grad_out, p_query, p_ref, feats, RADIUS, SIGMA, "tape")
 
 
 # ---------------------------------------------------------------- the simple hand-over
@@ -791,3 +794,217 @@ def test_saved_handover_rejects_bad_options_and_normalisers():
             torch.ops.warp.radius_aggregate_backward_saved(
                 grad_out, p_query, p_ref, feats, norms, RADIUS, SIGMA
             )
+
+
+# ---------------------------------------------------------------- the recipe's pieces
+
+
+def test_attach_backward_routes_the_gradient_of_feats_to_the_backward_op():
+    # A forward operator of zeros with a stand-in backward: the gradient of feats must
+    # be the backward's result, computed from a contiguous output gradient and the
+    # forward's floats; the coordinates get none.
+    @torch.library.custom_op("warp_test::attach_backward", mutates_args=())
+    def zeros_op(
+        p_query: torch.Tensor,
+        p_ref: torch.Tensor,
+        feats: torch.Tensor,
+        radius: float,
+        sigma: float,
+    ) -> torch.Tensor:
+        return p_query.new_zeros((p_query.shape[0], feats.shape[1]))
+
+    seen = []
+
+    def backward_op(grad_out, p_query, p_ref, feats, radius, sigma):
+        seen.append((grad_out.is_contiguous(), radius, sigma))
+        return torch.full_like(feats, 7.0)
+
+    wops.attach_backward(zeros_op, backward_op)
+    p_query, p_ref, feats = problem("cpu")
+    q, f = p_query.clone().requires_grad_(True), feats.clone().requires_grad_(True)
+    zeros_op(q, p_ref, f, RADIUS, SIGMA).sum().backward()  # sum's backward: an expand
+    assert seen == [(True, RADIUS, SIGMA)]
+    assert torch.equal(f.grad, torch.full_like(feats, 7.0))
+    assert q.grad is None
+
+
+def test_fakes_give_the_shapes_and_check_the_contract():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p_query, p_ref, feats = problem("cpu")
+    with FakeTensorMode() as mode:
+        q, r, f = (mode.from_tensor(t) for t in (p_query, p_ref, feats))
+        g = mode.from_tensor(torch.zeros(p_query.shape[0], N_FEATS))
+        assert wops.forward_fake(q, r, f, RADIUS, SIGMA).shape == (p_query.shape[0], 25)
+        assert wops.backward_fake(g, q, r, f, RADIUS, SIGMA).shape == feats.shape
+        with pytest.raises(ValueError, match="radius"):
+            wops.forward_fake(q, r, f, -1.0, SIGMA)
+
+
+def test_launch_online_leaves_the_normalisers_and_forward_keeps_the_grid():
+    p_query, p_ref, feats = problem("cpu")
+    entry, out = wops.launch_online(p_query, p_ref, feats, RADIUS, SIGMA)
+    grids.POOL.release(entry)
+    assert entry.norms.shape == (2, p_query.shape[0])
+    torch.testing.assert_close(out, warp_op(p_query, p_ref, feats))
+    wb.clear_grid_cache()
+    wops.forward(p_query, p_ref, feats, RADIUS, SIGMA)
+    assert wb.grid_cache_size() == 1
+
+
+def test_saved_setup_context_keeps_the_normalisers():
+    class Ctx:
+        def save_for_backward(self, *tensors):
+            self.saved = tensors
+
+    p_query, p_ref, feats = problem("cpu")
+    norms = torch.zeros(2, p_query.shape[0])
+    ctx = Ctx()
+    saved.setup_context(ctx, (p_query, p_ref, feats, RADIUS, SIGMA), (None, norms))
+    assert ctx.saved[-1] is norms and (ctx.radius, ctx.sigma) == (RADIUS, SIGMA)
+
+
+# ---------------------------------------------------------------- chapter helpers
+
+
+def timing_table(times: dict[str, tuple[list[float], list[float]]]) -> pd.DataFrame:
+    """A timing table like benchmark.run_all's: variant -> (forward runs, train runs);
+    peak memory 100 MiB for radius/torch, 4 for the rest."""
+    rows = [
+        {
+            "variant": name,
+            "workload": "radius",
+            "forward_ms": fwd,
+            "train_ms": train,
+            "peak_mb": 100.0 if name == "radius/torch" else 4.0,
+        }
+        for name, (fwds, trains) in times.items()
+        for fwd, train in zip(fwds, trains, strict=True)
+    ]
+    return timing.timings_frame(rows, baseline="radius/torch")
+
+
+def test_forward_numbers_of_chapter_5():
+    table = timing_table(
+        {
+            "radius/torch": ([20.0, 20.0], [30.0, 30.0]),
+            "radius/torch+compile": ([4.0, 4.0], [6.0, 6.0]),
+            "radius/warp": ([0.5, 0.6], [2.0, 2.0]),
+            "radius/warp+compile": ([1.0, 1.2], [3.0, 3.0]),
+        }
+    )
+    numbers = wr.forward_numbers(table)
+    assert numbers["radius_eager_fwd_ms"] == 20.0
+    assert numbers["radius_warp_eager_speedup"] == pytest.approx(20.0 / 0.55)
+    assert numbers["warp_compiled_vs_eager"] == "slower than"
+    assert numbers["radius_mem_ratio"] == 25.0
+    assert all(type(v) in (float, str) for v in numbers.values())
+
+
+def test_training_numbers_of_chapter_6():
+    names = list(wr.TRAINING_VARIANTS)
+    table = timing_table(
+        {name: ([1.0, 1.0], [2.0 + i, 2.1 + i]) for i, name in enumerate(names)}
+    )
+    numbers = wr.training_numbers(table)
+    assert numbers["eager_train_ms"] == pytest.approx(2.05)
+    assert numbers["ro_train_ms"] == pytest.approx(6.05)
+    assert numbers["compiled_vs_eager"] == "slower than"
+    assert numbers["saved_vs_pool"] == "slower than"
+
+
+def test_host_profiles_and_numbers_of_chapter_5():
+    p_query, p_ref, _ = problem("cpu")
+    prob = extkernels.problem()
+    model = wr.warp_projector(prob)
+    tables = wr.host_profiles(
+        {"eager": model}, p_query, p_ref, device=torch.device("cpu"), n_iters=2
+    )
+    numbers = wr.host_numbers(tables)
+    assert set(numbers) == {"host_eager_ms", "host_eager_ops"}
+    assert numbers["host_eager_ops"] == len(tables["eager"]) > 0
+    assert numbers["host_eager_ms"] > 0
+
+
+def test_warp_projector_is_seeded_and_takes_the_backends_options():
+    prob = extkernels.problem()
+    a, b = wr.warp_projector(prob), wr.warp_projector(prob, handover="saved")
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert b.aggregation.options == {"handover": "saved"}
+    assert b.aggregation.backend == "warp"
+
+
+def test_graphs_and_breaks_counts_a_break():
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch._dynamo.reset()
+    assert wr.graphs_and_breaks(lambda x: x.sin() + 1, torch.ones(3)) == (1, 0)
+    assert wr.graphs_and_breaks(broken, torch.ones(3)) == (2, 1)
+
+
+def test_launch_and_deferred_numbers_of_chapter_7():
+    cost = pd.Series(
+        {
+            "from_torch": 60.0,
+            "from_torch(return_ctype=True)": 40.0,
+            "tensor directly": 45.0,
+            "recorded launch": 10.0,
+        }
+    )
+    assert wi.launch_numbers(cost) == {"ctype_gain": 1.5, "record_gain": 4.0}
+    deferred = pd.DataFrame(
+        {"ms per step": [0.9, 0.3], "device kernels per step": [12.0, 8.0]},
+        index=["SquaresNaive", "SquaresFixed"],
+    )
+    numbers = wi.deferred_numbers(deferred)
+    assert numbers["deferred_kernels_SquaresNaive"] == 12.0
+    assert numbers["deferred_gain"] == pytest.approx(3.0)
+
+
+def test_thread_and_graph_numbers_of_chapter_7():
+    table = timing_table(
+        {
+            "radius/warp": ([0.6, 0.6], [2.4, 2.5]),
+            "radius/warp+1thread": ([0.5, 0.7], [1.6, 1.6]),
+            "radius/warp+compile": ([0.8, 0.8], [2.7, 2.7]),
+            "radius/warp+compile+1thread": ([0.6, 0.6], [2.6, 2.8]),
+            "radius/warp+graphs": ([0.2, 0.2], [0.5, 0.5]),
+        }
+    )
+    threads = wi.thread_numbers(table)
+    assert threads["train_ms_eager_1t"] == 1.6
+    assert threads["thread_gain"] == pytest.approx(2.45 / 1.6)
+    assert threads["thread_eager"] == "faster than"
+    assert threads["thread_compiled"] == "within the run-to-run spread of"
+    assert threads["thread_fwd"] == "within the run-to-run spread of"
+    graphed = wi.graph_numbers(table)
+    assert graphed["g_train_graphs"] == 0.5
+    assert graphed["g_forward_gain"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_step_zeroes_and_repeats(device):
+    x = torch.randn(64, device=device)
+    y = torch.full_like(x, 5.0)
+    step = wi.chain_step(x, y, 3)
+    step()
+    first = y.clone()
+    step()
+    torch.testing.assert_close(y, first)
+    torch.testing.assert_close(
+        first, wi.saxpy_chain(x, torch.zeros_like(x), 3, shared=True)
+    )
+
+
+def test_replay_matches_compares_with_the_eager_forward():
+    prob = extkernels.problem()
+    p_query, p_ref, _ = problem("cpu")
+    model = wr.warp_projector(prob)
+    with torch.no_grad():
+        expected = model(p_query, p_ref)
+    assert wi.replay_matches(lambda: expected.clone(), model, p_query, p_ref)
+    assert not wi.replay_matches(lambda: expected + 1e-3, model, p_query, p_ref)

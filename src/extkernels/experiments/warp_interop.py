@@ -6,6 +6,9 @@ against :class:`SquaresFixed`) and whether Warp shares PyTorch's stream
 (:func:`saxpy_chain`); chapter 7 captures them in CUDA graphs with
 :class:`extkernels.graphs.CapturedStep`. The warp backend applies the fast choice of
 each, through the helpers of :mod:`extkernels.ops.warp.interop`.
+
+The ``*_numbers`` functions pick the numbers chapter 7's prose quotes from its tables,
+by glue key, as plain Python numbers and words.
 """
 
 import functools
@@ -13,9 +16,11 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+import pandas as pd
 import torch
 
 from ..ops.warp.interop import launch, warp, where
+from ..timing import verdict
 
 __all__ = [
     "METHODS",
@@ -24,7 +29,13 @@ __all__ = [
     "SquaresFixed",
     "squares_step",
     "saxpy_chain",
+    "chain_step",
     "synchronising_calls",
+    "replay_matches",
+    "launch_numbers",
+    "deferred_numbers",
+    "thread_numbers",
+    "graph_numbers",
 ]
 
 #: Ways of handing a tensor to a kernel: three ways of calling ``wp.launch``, and
@@ -230,6 +241,21 @@ def saxpy_chain(
     return y
 
 
+def chain_step(x: torch.Tensor, y: torch.Tensor, n_links: int) -> Callable[[], None]:
+    """A closure for a CUDA graph (chapter 7): zero ``y``, then :func:`saxpy_chain` on
+    PyTorch's stream, in place; every call leaves ``y`` the same.
+
+    Args:
+        x, y: ``(n,)`` float32 on one device, the same tensors at every call.
+    """
+
+    def step() -> None:
+        y.zero_()
+        saxpy_chain(x, y, n_links, shared=True)
+
+    return step
+
+
 def synchronising_calls(fn: Callable[[], object]) -> int:
     """How many synchronising operations PyTorch reports while ``fn`` runs once (its
     synchronisation debug mode, which warns on each); 0 on the CPU."""
@@ -246,3 +272,93 @@ def synchronising_calls(fn: Callable[[], object]) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def replay_matches(
+    replay: Callable[[], torch.Tensor],
+    model: torch.nn.Module,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    atol: float = 1e-6,
+) -> bool:
+    """Whether a captured forward pass, replayed, gives what ``model`` gives eagerly on
+    the graph's inputs as they are now (chapter 7).
+
+    Args:
+        replay: replays the captured forward (from
+            :func:`extkernels.graphs.captured_forward`), returning ``(M, 1)``.
+        model: the projector it captured, run eagerly under ``torch.no_grad()``.
+        p_query, p_ref: the graph's input tensors, ``(M, 3)`` and ``(N, 3)`` float32.
+    """
+    replayed = replay()
+    with torch.no_grad():
+        eager = model(p_query, p_ref)
+    return torch.allclose(replayed, eager, atol=atol)
+
+
+# ---------------------------------------------------------------- numbers for the prose
+
+
+def launch_numbers(cost: pd.Series) -> dict[str, float]:
+    """Chapter 7's gains from the cost per launch of each of :data:`METHODS`:
+    ``return_ctype=True`` over a full ``wp.from_torch`` (``ctype_gain``), and a recorded
+    launch over ``return_ctype=True`` descriptors (``record_gain``)."""
+    ctype = cost["from_torch(return_ctype=True)"]
+    return {
+        "ctype_gain": float(cost["from_torch"] / ctype),
+        "record_gain": float(ctype / cost["recorded launch"]),
+    }
+
+
+def deferred_numbers(deferred: pd.DataFrame) -> dict[str, float]:
+    """Chapter 7's numbers from its table of :class:`SquaresNaive` and
+    :class:`SquaresFixed` (rows by class name): milliseconds (``deferred_ms_<name>``)
+    and device kernels (``deferred_kernels_<name>``) per step, and the naive step's time
+    over the fixed one's (``deferred_gain``)."""
+    numbers = {}
+    for column, key in [("ms per step", "ms"), ("device kernels per step", "kernels")]:
+        for name in deferred.index:
+            numbers[f"deferred_{key}_{name}"] = float(deferred.loc[name, column])
+    ms = deferred["ms per step"]
+    numbers["deferred_gain"] = float(ms["SquaresNaive"] / ms["SquaresFixed"])
+    return numbers
+
+
+def thread_numbers(table: pd.DataFrame) -> dict[str, float | str]:
+    """Chapter 7's numbers for the backward on the calling thread, from a timing table
+    of ``radius/warp`` and ``radius/warp+compile``, each with and without ``+1thread``:
+    training-step milliseconds (``train_ms_<name>``), the eager gain (``thread_gain``),
+    and how each one-thread variant compares (:func:`~extkernels.timing.verdict`)."""
+    eager, eager_1t = "radius/warp", "radius/warp+1thread"
+    compiled, compiled_1t = "radius/warp+compile", "radius/warp+compile+1thread"
+    keys = {eager: "eager", eager_1t: "eager_1t"}
+    keys.update({compiled: "compiled", compiled_1t: "compiled_1t"})
+    numbers: dict[str, float | str] = {
+        f"train_ms_{key}": float(table.loc[name, "train_ms"])
+        for name, key in keys.items()
+    }
+    train = table["train_ms"]
+    numbers["thread_gain"] = float(train[eager] / train[eager_1t])
+    numbers["thread_eager"] = verdict(table, eager_1t, eager, "train")
+    numbers["thread_compiled"] = verdict(table, compiled_1t, compiled, "train")
+    numbers["thread_fwd"] = verdict(table, eager_1t, eager, "forward")
+    return numbers
+
+
+def graph_numbers(table: pd.DataFrame) -> dict[str, float]:
+    """Chapter 7's numbers for the projector in one CUDA graph, from a timing table
+    with ``radius/warp``, ``radius/warp+1thread`` and ``radius/warp+graphs``: forward
+    and training-step milliseconds (``g_fwd_<name>``, ``g_train_<name>``) and the
+    graphs' gains over eager (``g_forward_gain``, ``g_train_gain``)."""
+    rows = {"radius/warp": "eager", "radius/warp+1thread": "eager_1t"}
+    rows["radius/warp+graphs"] = "graphs"
+    numbers = {}
+    for name, key in rows.items():
+        numbers[f"g_fwd_{key}"] = float(table.loc[name, "forward_ms"])
+        numbers[f"g_train_{key}"] = float(table.loc[name, "train_ms"])
+    for metric in ("forward", "train"):
+        ms = table[f"{metric}_ms"]
+        numbers[f"g_{metric}_gain"] = float(
+            ms["radius/warp"] / ms["radius/warp+graphs"]
+        )
+    return numbers

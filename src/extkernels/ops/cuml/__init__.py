@@ -14,7 +14,15 @@ import importlib.util
 import torch
 
 from ..registry import Backend, register
-from .ops import ALGORITHMS, DEFAULT_ALGORITHM, auto_choice, knn_op, knn_plain
+from .ops import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    auto_choice,
+    knn_fake,
+    knn_op,
+    knn_plain,
+    search,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -22,8 +30,10 @@ __all__ = [
     "auto_choice",
     "available",
     "knn",
+    "knn_fake",
     "knn_op",
     "knn_plain",
+    "search",
 ]
 
 

@@ -35,8 +35,10 @@ __all__ = [
     "DEFAULT_ALGORITHM",
     "auto_choice",
     "centred",
-    "knn_plain",
+    "knn_fake",
     "knn_op",
+    "knn_plain",
+    "search",
 ]
 
 #: cuML's exact searches: ``brute`` compares every pair (in the expanded form); ``rbc``,
@@ -53,8 +55,17 @@ def check_algorithm(algorithm: object) -> str:
     return algorithm
 
 
-def _search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str):
-    """cuML's kNN on DLPack views of the inputs; returns cuML-owned CuPy arrays."""
+def search(p_query: torch.Tensor, p_ref: torch.Tensor, k: int, algorithm: str):
+    """cuML's kNN on DLPack views of the inputs, the call chapter 3 starts from.
+
+    Args:
+        p_query: ``(M, 3)`` float32 CUDA; p_ref: ``(N, 3)`` float32 CUDA.
+        k: neighbours per query; algorithm: one of :data:`ALGORITHMS`.
+
+    Returns:
+        distances and indices, ``(M, k)`` CuPy arrays owned by cuML (no centring, no
+        exact distances: :func:`knn_plain` and :func:`knn_op` add both).
+    """
     import cupy
     from cuml.neighbors import NearestNeighbors
 
@@ -105,7 +116,7 @@ def knn_plain(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cuML's kNN called directly (no custom operator): ``(M, k)`` float32 distances
     ascending and ``(M, k)`` int64 indices. Breaks the graph of a compiled caller."""
-    _, indices = _search(*centred(p_query, p_ref), k, check_algorithm(algorithm))
+    _, indices = search(*centred(p_query, p_ref), k, check_algorithm(algorithm))
     return exact_distances(p_query, p_ref, torch.from_dlpack(indices).long())
 
 
@@ -136,7 +147,7 @@ def knn_op(
     stream = torch.cuda.current_stream(p_query.device)
     # cuML runs on its own stream: the inputs must be complete before it reads them.
     stream.synchronize()
-    _, found = _search(q, r, k, algorithm)
+    _, found = search(q, r, k, algorithm)
     indices = torch.empty(
         (p_query.shape[0], k), dtype=torch.int64, device=p_query.device
     )
@@ -148,14 +159,16 @@ def knn_op(
 
 
 @knn_op.register_fake
-def _knn_fake(
+def knn_fake(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
     k: int,
     algorithm: str = DEFAULT_ALGORITHM,
 ):
-    # The real operator's contract, metadata only: a compiled caller fails at trace
-    # time.
+    """The fake of ``cuml::knn`` (chapter 3): output shapes and dtypes, no search.
+
+    The real operator's contract, metadata only: a compiled caller fails at trace time.
+    """
     check_knn(p_query, p_ref, k, values=False)
     check_algorithm(algorithm)
     m = p_query.shape[0]

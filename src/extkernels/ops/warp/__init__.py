@@ -12,9 +12,8 @@ Organised by role:
 - :mod:`~.interop`: handing tensors and streams to Warp cheaply (chapter 7).
 
 Importing the backend registers it and its operators (``torch.ops.warp.*``) without
-importing
-Warp: Warp is imported, and the kernels compiled (and cached on disk by Warp), on first
-    use.
+importing Warp: Warp is imported, and the kernels compiled (and cached on disk by Warp),
+on first use.
 """
 
 from __future__ import annotations

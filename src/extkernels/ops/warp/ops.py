@@ -9,9 +9,12 @@
 - ``warp::radius_aggregate_backward_manual``: the hand-written
   :data:`~.kernels.scatter`.
 
-The backward is chosen by the operator's name, not by a setting read by the autograd
-formula: such a setting would be read once, at trace time, and compiled-graph caches (in
-memory and on disk) would not know about it.
+The module reads in the order of the recipe: each operator's ``custom_op``, its
+``register_fake`` right beneath it, then ``setup_context`` and the
+``register_autograd`` call that joins each forward to its backward
+(:func:`attach_backward`). The backward is chosen by the operator's name, not by a
+setting read by the autograd formula: such a setting would be read once, at trace time,
+and compiled-graph caches (in memory and on disk) would not know about it.
 
 Every operator and every fake checks its arguments by the one contract of
 :mod:`~extkernels.ops.checks` (the fakes metadata only), so
@@ -42,10 +45,18 @@ from .interop import Where, descriptor, launch, where
 
 __all__ = [
     "BACKWARDS",
+    "new_entry",
+    "launch_online",
+    "forward",
+    "forward_fake",
     "radius_aggregate_op",
     "radius_aggregate_manual_op",
+    "backward",
+    "backward_fake",
     "radius_aggregate_backward_op",
     "radius_aggregate_backward_manual_op",
+    "setup_context",
+    "attach_backward",
 ]
 
 #: The backward implementations: Warp's adjoint of the forward kernel, or the
@@ -66,7 +77,7 @@ def _threads(n_features: int) -> int:
     return -(-n_features // kernels().CHUNK)
 
 
-def _new_entry(
+def new_entry(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
     radius: float,
@@ -76,7 +87,7 @@ def _new_entry(
     """A grid over ``p_ref``, the descriptors of both clouds, and the per-query
     normalisers ``shift`` (``d0``) and ``inv_norm`` (``1 / sum_j exp((d0 - d_qj) /
     sigma)``): the rows of ``norms`` ``(2, M)``, or of a fresh tensor for a kernel to
-    fill."""
+    fill (chapters 5-6)."""
     wp = kernels().wp
     grid, grid_id = POOL.build(p_ref, radius, at)
     points = (descriptor(p_query, wp.vec3), descriptor(p_ref, wp.vec3))
@@ -92,7 +103,7 @@ def _new_entry(
 # ---------------------------------------------------------------- forward
 
 
-def _launch_online(
+def launch_online(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
     feats: torch.Tensor,
@@ -100,11 +111,12 @@ def _launch_online(
     sigma: float,
 ) -> tuple[Entry, torch.Tensor]:
     """Check the arguments, build the grid, run the one-walk kernel; return the grid's
-    entry (the kernel fills its normalisers) and the output."""
+    entry (the kernel fills its normalisers) and the output ``(M, F)`` float32
+    (chapter 5)."""
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
     at = where(p_ref.device)
     m, f = p_query.shape[0], feats.shape[1]
-    entry = _new_entry(p_query, p_ref, radius, at)
+    entry = new_entry(p_query, p_ref, radius, at)
     out = torch.empty((m, f), dtype=torch.float32, device=p_query.device)
     args = [
         entry.grid_id,
@@ -118,63 +130,83 @@ def _launch_online(
     return entry, out
 
 
-def _forward(
+def forward(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
     feats: torch.Tensor,
     radius: float,
     sigma: float,
 ) -> torch.Tensor:
-    """The real forward of both forward operators: launch the kernel, keep the grid and
-    the normalisers in the pool for the backward."""
-    entry, out = _launch_online(p_query, p_ref, feats, radius, sigma)
+    """The real forward of both forward operators (chapter 5): launch the kernel, keep
+    the grid and the normalisers in the pool for the backward."""
+    entry, out = launch_online(p_query, p_ref, feats, radius, sigma)
     POOL.put(entry_key(p_query, p_ref, radius, sigma), entry)
     return out
 
 
-def _forward_fake(
+@torch.library.custom_op(
+    "warp::radius_aggregate",
+    mutates_args=(),
+    device_types=("cpu", "cuda"),
+    tags=CUDAGRAPH_UNSAFE,
+)
+def radius_aggregate_op(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
     feats: torch.Tensor,
     radius: float,
     sigma: float,
 ) -> torch.Tensor:
-    # The real operator's contract, metadata only: a compiled caller fails at trace
-    # time.
+    """Radius-bounded aggregation by Warp's hash grid, as a PyTorch operator.
+
+    Args:
+        p_query: ``(M, 3)`` float32, contiguous, finite.
+        p_ref: ``(N, 3)`` float32, contiguous, finite, on the same device.
+        feats: ``(N, F)`` float32, contiguous, on the same device.
+        radius: neighbourhood radius, > 0 (also the grid's cell width).
+        sigma: weight length scale, > 0.
+
+    Returns:
+        ``(M, F)`` float32:
+        ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]`` over
+        ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready
+        on PyTorch's current stream. Keeps the hash grid in the pool for the backward
+        (Warp's adjoint, ``warp::radius_aggregate_backward``).
+    """
+    return forward(p_query, p_ref, feats, radius, sigma)
+
+
+@torch.library.custom_op(
+    "warp::radius_aggregate_manual",
+    mutates_args=(),
+    device_types=("cpu", "cuda"),
+    tags=CUDAGRAPH_UNSAFE,
+)
+def radius_aggregate_manual_op(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    """The forward of ``warp::radius_aggregate`` (same arguments, same result), whose
+    backward is the hand-written kernel (``warp::radius_aggregate_backward_manual``)."""
+    return forward(p_query, p_ref, feats, radius, sigma)
+
+
+@radius_aggregate_manual_op.register_fake
+@radius_aggregate_op.register_fake
+def forward_fake(p_query, p_ref, feats, radius, sigma):
+    """The forward operators' fake (chapter 5): the real operator's contract, metadata
+    only, so a compiled caller fails at trace time; an empty ``(M, F)`` tensor."""
     check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
     return p_query.new_empty((p_query.shape[0], feats.shape[1]))
-
-
-def _define_forward(name: str, backward: Any, doc: str) -> Any:
-    """One forward operator: the custom op, its fake right beneath it, its autograd next
-    to it (the backward formula calls the operator ``backward``)."""
-
-    def forward(
-        p_query: torch.Tensor,
-        p_ref: torch.Tensor,
-        feats: torch.Tensor,
-        radius: float,
-        sigma: float,
-    ) -> torch.Tensor:
-        return _forward(p_query, p_ref, feats, radius, sigma)
-
-    forward.__doc__ = doc
-    op = torch.library.custom_op(
-        name,
-        forward,
-        mutates_args=(),
-        device_types=("cpu", "cuda"),
-        tags=CUDAGRAPH_UNSAFE,
-    )
-    op.register_fake(_forward_fake)
-    op.register_autograd(_autograd_formula(backward), setup_context=_setup_context)
-    return op
 
 
 # ---------------------------------------------------------------- backward
 
 
-def _backward_impl(
+def backward(
     grad_out: torch.Tensor,
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
@@ -183,6 +215,9 @@ def _backward_impl(
     sigma: float,
     kind: str,
 ) -> torch.Tensor:
+    """The real backward of both backward operators (chapter 6): ``grad_feats``
+    ``(N, F)`` float32 from ``grad_out`` ``(M, F)``, by ``kind`` (one of
+    :data:`BACKWARDS`), with the forward's grid taken out of the pool or built again."""
     if kind not in BACKWARDS:
         raise ValueError(f"kind: expected one of {BACKWARDS}, got {kind!r}")
     # Metadata only: the forward checked the values.
@@ -195,7 +230,7 @@ def _backward_impl(
     at = where(p_ref.device)
     entry = POOL.take(entry_key(p_query, p_ref, radius, sigma))
     if entry is None:  # the forward's grid is gone: rebuild it and the normalisers
-        entry = _new_entry(p_query, p_ref, radius, at)
+        entry = new_entry(p_query, p_ref, radius, at)
         args = [entry.grid_id, *entry.points, radius, sigma, *entry.norm_descs]
         launch(k.normaliser, (m,), args, at)
     # Fresh zeros every call: both kernels accumulate into grad_feats.
@@ -236,53 +271,80 @@ def _backward_impl(
     return grad_feats
 
 
-def _backward_fake(grad_out, p_query, p_ref, feats, radius, sigma) -> torch.Tensor:
+@torch.library.custom_op(
+    "warp::radius_aggregate_backward",
+    mutates_args=(),
+    device_types=("cpu", "cuda"),
+    tags=CUDAGRAPH_UNSAFE,
+)
+def radius_aggregate_backward_op(
+    grad_out: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    """Gradient of ``warp::radius_aggregate`` w.r.t. ``feats``, by Warp's adjoint of the
+    forward kernel (``adjoint=True``).
+
+    Args:
+        grad_out: ``(M, F)`` float32, contiguous: the gradient of the output.
+        p_query, p_ref, feats, radius, sigma: the forward's arguments.
+
+    Returns:
+        ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid
+        out of the pool, or builds one.
+    """
+    return backward(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
+
+
+@torch.library.custom_op(
+    "warp::radius_aggregate_backward_manual",
+    mutates_args=(),
+    device_types=("cpu", "cuda"),
+    tags=CUDAGRAPH_UNSAFE,
+)
+def radius_aggregate_backward_manual_op(
+    grad_out: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+) -> torch.Tensor:
+    """Gradient of ``warp::radius_aggregate_manual`` w.r.t. ``feats``, by the
+    hand-written scatter kernel (arguments and result as for
+    ``warp::radius_aggregate_backward``)."""
+    return backward(grad_out, p_query, p_ref, feats, radius, sigma, "manual")
+
+
+@radius_aggregate_backward_manual_op.register_fake
+@radius_aggregate_backward_op.register_fake
+def backward_fake(grad_out, p_query, p_ref, feats, radius, sigma):
+    """The backward operators' fake (chapter 6): their checks on metadata, and an empty
+    ``(N, F)`` tensor like ``feats``."""
     check_radius_aggregate(p_query, p_ref, feats, radius, sigma, values=False)
     check_grad_out(grad_out, p_query, feats)
     return torch.empty_like(feats)
 
 
-def _define_backward(name: str, kind: str, doc: str) -> Any:
-    """One backward operator (its fake right beneath it), computing the gradient by
-    ``kind``."""
-
-    def backward(
-        grad_out: torch.Tensor,
-        p_query: torch.Tensor,
-        p_ref: torch.Tensor,
-        feats: torch.Tensor,
-        radius: float,
-        sigma: float,
-    ) -> torch.Tensor:
-        return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, kind)
-
-    backward.__doc__ = doc
-    op = torch.library.custom_op(
-        name,
-        backward,
-        mutates_args=(),
-        device_types=("cpu", "cuda"),
-        tags=CUDAGRAPH_UNSAFE,
-    )
-    op.register_fake(_backward_fake)
-    return op
-
-
 # ---------------------------------------------------------------- autograd
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """What both forward operators keep for their backward (chapter 6)."""
     p_query, p_ref, feats, radius, sigma = inputs
     # Tensors for the backward; the hash grid is not among them (it waits in the pool).
     ctx.save_for_backward(p_query, p_ref, feats)
     ctx.radius, ctx.sigma = radius, sigma
 
 
-def _autograd_formula(backward_op):
-    """The backward of a forward operator, calling ``backward_op`` for the gradient of
-    ``feats``."""
+def attach_backward(forward_op: Any, backward_op: Any) -> None:
+    """Register the autograd of ``forward_op`` (chapter 6): :func:`setup_context`, and
+    a formula that calls ``backward_op`` for the gradient of ``feats``."""
 
-    def backward(ctx, grad_out: torch.Tensor):
+    def formula(ctx, grad_out: torch.Tensor):
         p_query, p_ref, feats = ctx.saved_tensors
         grad_feats = None
         if ctx.needs_input_grad[2]:
@@ -295,59 +357,8 @@ def _autograd_formula(backward_op):
         # in the torch reference, which computes them under no_grad.
         return None, None, grad_feats, None, None
 
-    return backward
+    torch.library.register_autograd(forward_op, formula, setup_context=setup_context)
 
 
-# ---------------------------------------------------------------- the four operators
-
-_FORWARD_DOC = """Radius-bounded aggregation by Warp's hash grid, as a PyTorch operator.
-
-Args:
-    p_query: ``(M, 3)`` float32, contiguous, finite.
-    p_ref: ``(N, 3)`` float32, contiguous, finite, on the same device.
-    feats: ``(N, F)`` float32, contiguous, on the same device.
-    radius: neighbourhood radius, > 0 (also the grid's cell width).
-    sigma: weight length scale, > 0.
-
-Returns:
-    ``(M, F)`` float32:
-    ``sum_j exp(-d_qj / sigma) / sum_j' exp(-d_qj' / sigma) * feats[j]`` over
-    ``d_qj <= radius``, zeros for a query without neighbour; a fresh tensor, ready on
-    PyTorch's current stream. Keeps the hash grid in the pool for the backward, which
-    is {backward}.
-"""
-_BACKWARD_DOC = """Gradient of the forward operator w.r.t. ``feats``, by {how}.
-
-Args:
-    grad_out: ``(M, F)`` float32, contiguous: the gradient of the output.
-    p_query, p_ref, feats, radius, sigma: the forward's arguments.
-
-Returns:
-    ``(N, F)`` float32 ``grad_feats``, a fresh tensor. Takes the forward's hash grid out
-    of the pool, or builds one.
-"""
-
-radius_aggregate_backward_op = _define_backward(
-    "warp::radius_aggregate_backward",
-    "adjoint",
-    _BACKWARD_DOC.format(how="Warp's adjoint of the forward kernel (``adjoint=True``)"),
-)
-radius_aggregate_backward_manual_op = _define_backward(
-    "warp::radius_aggregate_backward_manual",
-    "manual",
-    _BACKWARD_DOC.format(how="the hand-written scatter kernel"),
-)
-radius_aggregate_op = _define_forward(
-    "warp::radius_aggregate",
-    radius_aggregate_backward_op,
-    _FORWARD_DOC.format(
-        backward="Warp's adjoint (``warp::radius_aggregate_backward``)"
-    ),
-)
-radius_aggregate_manual_op = _define_forward(
-    "warp::radius_aggregate_manual",
-    radius_aggregate_backward_manual_op,
-    _FORWARD_DOC.format(
-        backward="hand-written (``warp::radius_aggregate_backward_manual``)"
-    ),
-)
+attach_backward(radius_aggregate_op, radius_aggregate_backward_op)
+attach_backward(radius_aggregate_manual_op, radius_aggregate_backward_manual_op)

@@ -19,9 +19,13 @@ from ..checks import check_grad_out, check_radius_aggregate, check_same_device
 from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, entry_key
 from .interop import where
-from .ops import _backward_impl, _launch_online, _new_entry
+from .ops import backward, launch_online, new_entry
 
-__all__ = ["radius_aggregate_saved_op", "radius_aggregate_backward_saved_op"]
+__all__ = [
+    "radius_aggregate_saved_op",
+    "radius_aggregate_backward_saved_op",
+    "setup_context",
+]
 
 
 def _check_norms(norms: object, p_query: torch.Tensor) -> None:
@@ -60,7 +64,7 @@ def radius_aggregate_saved_op(
         nearest in-radius distance and ``1 / sum_j exp((d0 - d_qj) / sigma)``. No grid
         is kept.
     """
-    entry, out = _launch_online(p_query, p_ref, feats, radius, sigma)
+    entry, out = launch_online(p_query, p_ref, feats, radius, sigma)
     POOL.release(entry)  # its kernel is queued: the grid may serve the next call
     return out, entry.norms
 
@@ -100,9 +104,9 @@ def radius_aggregate_backward_saved_op(
     _check_norms(norms, p_query)
     # The grid again, with the normalisers from ctx, lent to the standard backward under
     # the key it looks up (it takes the entry out and hands the grid back).
-    entry = _new_entry(p_query, p_ref, radius, where(p_ref.device), norms=norms)
+    entry = new_entry(p_query, p_ref, radius, where(p_ref.device), norms=norms)
     POOL.put(entry_key(p_query, p_ref, radius, sigma), entry)
-    return _backward_impl(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
+    return backward(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
 
 
 @radius_aggregate_backward_saved_op.register_fake
@@ -113,7 +117,8 @@ def _backward_saved_fake(grad_out, p_query, p_ref, feats, norms, radius, sigma):
     return torch.empty_like(feats)
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """What ``warp::radius_aggregate_saved`` keeps for its backward (chapter 6)."""
     p_query, p_ref, feats, radius, sigma = inputs
     _, norms = output
     # The plain way: the normalisers are an output, kept by autograd with the inputs.
@@ -131,4 +136,4 @@ def _backward(ctx: Any, grad_out: torch.Tensor, _grad_norms: Any):
     return None, None, grad_feats, None, None
 
 
-radius_aggregate_saved_op.register_autograd(_backward, setup_context=_setup_context)
+radius_aggregate_saved_op.register_autograd(_backward, setup_context=setup_context)
