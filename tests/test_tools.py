@@ -639,3 +639,40 @@ def test_the_guide_reads_every_number_from_the_measurements():
     )
     assert guide.source_lines("torch") > 0
     assert guide.source_lines("fused") > guide.source_lines("torch")
+
+
+def _broken(x):
+    x = x + 1
+    torch._dynamo.graph_break()
+    return x * 2
+
+
+def test_graphs_and_breaks_counts_a_break():
+    torch._dynamo.reset()
+    assert profiling.graphs_and_breaks(lambda x: x.sin() + 1, torch.ones(3)) == (1, 0)
+    assert profiling.graphs_and_breaks(_broken, torch.ones(3)) == (2, 1)
+
+
+def test_break_reasons_names_an_explicit_break_and_none_without_one():
+    torch._dynamo.reset()
+    assert profiling.break_reasons(lambda x: x.sin(), torch.ones(3)) == []
+    reasons = profiling.break_reasons(_broken, torch.ones(3), lines=2, width=30)
+    assert len(reasons) == 1
+    assert all(len(line) <= 30 for line in reasons[0].splitlines())
+    assert len(reasons[0].splitlines()) <= 2
+
+
+def test_make_forward_runs_the_model_without_a_graph_for_autograd():
+    model = torch.nn.Linear(3, 2)
+    p_query, p_ref = torch.ones(4, 3), torch.ones(5, 3)
+    out = timing.make_forward(lambda q, r: model(q) + r.sum(), p_query, p_ref)()
+    assert not out.requires_grad
+    assert torch.equal(out, (model(p_query) + 5 * 3).detach())
+
+
+def test_fake_tensors_run_an_operator_without_data():
+    with notebook.fake_tensors():
+        x = torch.empty(4, 3)
+        y = torch.mm(x, x.T)
+    assert y.shape == (4, 4)
+    assert type(y).__name__ == "FakeTensor"

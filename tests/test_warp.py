@@ -935,17 +935,6 @@ def test_warp_projector_is_seeded_and_takes_the_backends_options():
     assert b.aggregation.backend == "warp"
 
 
-def test_graphs_and_breaks_counts_a_break():
-    def broken(x):
-        x = x + 1
-        torch._dynamo.graph_break()
-        return x * 2
-
-    torch._dynamo.reset()
-    assert wr.graphs_and_breaks(lambda x: x.sin() + 1, torch.ones(3)) == (1, 0)
-    assert wr.graphs_and_breaks(broken, torch.ones(3)) == (2, 1)
-
-
 def test_launch_and_deferred_numbers_of_chapter_7():
     cost = pd.Series(
         {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-__all__ = ["versions", "show_source", "cpp_excerpt", "show_cpp"]
+__all__ = ["versions", "show_source", "cpp_excerpt", "show_cpp", "fake_tensors"]
 
 # (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different
 # names.
@@ -145,3 +145,12 @@ def decorated(obj):
     if triton_kernel and callable(getattr(obj, "fn", None)):
         return obj.fn
     return obj
+
+
+def fake_tensors():
+    """The mode ``torch.compile`` traces in (chapter 3): tensors that carry shape, dtype
+    and device but no data, so that an operator called on them runs its fake.
+    PyTorch's ``FakeTensorMode``, as a context manager."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()

@@ -113,6 +113,23 @@ def generated_kernels(fn, *args) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def graphs_and_breaks(fn, *args) -> tuple[int, int]:
+    """How many graphs ``torch.compile`` makes of ``fn(*args)``, and how many graph
+    breaks split them (chapters 2, 3, 6 and 8), as ``torch._dynamo.explain`` reports
+    them (PyTorch's diagnostic for graph breaks)."""
+    explanation = torch._dynamo.explain(fn)(*args)
+    return explanation.graph_count, explanation.graph_break_count
+
+
+def break_reasons(fn, *args, lines: int = 4, width: int = 160) -> list[str]:
+    """The distinct reasons ``torch._dynamo.explain`` gives for the graph breaks of
+    ``fn(*args)`` (chapter 3), each cut to its first ``lines`` lines of ``width``
+    characters."""
+    explanation = torch._dynamo.explain(fn)(*args)
+    reasons = dict.fromkeys(str(b.reason).strip() for b in explanation.break_reasons)
+    return ["\n".join(line[:width] for line in r.splitlines()[:lines]) for r in reasons]
+
+
 _SYNC_CALLS = (
     "cudaStreamSynchronize",
     "cudaDeviceSynchronize",

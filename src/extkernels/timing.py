@@ -25,10 +25,11 @@ from torch.utils import benchmark
 
 from .graphs import captured_forward, captured_train_step
 from .ops.checks import value_checks
-from .training import make_train_step
+from .training import make_forward, make_train_step
 
 __all__ = [
     "Timing",
+    "make_forward",
     "make_train_step",
     "time_fn",
     "time_blocks",

@@ -12,7 +12,26 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_train_step"]
+__all__ = ["make_forward", "make_train_step"]
+
+
+def make_forward(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+) -> Callable[[], torch.Tensor]:
+    """A closure doing one forward pass of ``model`` under ``torch.no_grad()``, as the
+    timing protocol times it (chapters 1 and 2 profile it).
+
+    Returns:
+        ``forward()`` returning the output.
+    """
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model(p_query, p_ref)
+
+    return forward
 
 
 def make_train_step(

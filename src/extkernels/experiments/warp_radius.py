@@ -15,7 +15,7 @@ import torch
 
 from ..models import Projector, RadiusAggregation
 from ..problem import Problem
-from ..profiling import profile, top_kernels
+from ..profiling import graphs_and_breaks, profile, top_kernels
 from ..timing import verdict
 
 __all__ = [
@@ -125,13 +125,6 @@ def warp_projector(prob: Problem, **options) -> Projector:
     torch.manual_seed(prob.seed)
     aggregation = RadiusAggregation(prob.radius, prob.sigma, backend="warp", **options)
     return Projector(aggregation, prob.hidden).to(prob.device)
-
-
-def graphs_and_breaks(fn: Callable, *args) -> tuple[int, int]:
-    """How many graphs ``torch.compile`` makes of ``fn(*args)``, and how many graph
-    breaks split them (chapter 6), by ``torch._dynamo.explain``."""
-    explanation = torch._dynamo.explain(fn)(*args)
-    return explanation.graph_count, explanation.graph_break_count
 
 
 def training_numbers(table: pd.DataFrame) -> dict[str, float | str]:

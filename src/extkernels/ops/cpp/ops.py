@@ -38,7 +38,7 @@ checks.on_value_checks(_ops.set_value_checks)
 MAX_K, MAX_POINTS = (int(v) for v in _ops.limits())
 
 
-def _check_max_k(k: int) -> int:
+def check_max_k(k: int) -> int:
     if k > MAX_K:
         raise ValueError(
             f"k: expected k <= {MAX_K} (the C++ kernels keep at most that many "
@@ -48,8 +48,8 @@ def _check_max_k(k: int) -> int:
 
 
 @torch.library.register_fake("extkernels_cpp::knn")
-def _knn_fake(p_query, p_ref, k):
-    k = _check_max_k(check_knn(p_query, p_ref, k, values=False))
+def knn_fake(p_query, p_ref, k):
+    k = check_max_k(check_knn(p_query, p_ref, k, values=False))
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
@@ -62,7 +62,7 @@ def knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
     k, _ = check_knn_aggregate(
         p_query, p_ref, feats, k, sigma, values=False, feats_dtypes=FEATS_DTYPES
     )
-    _check_max_k(k)
+    check_max_k(k)
     m = p_query.shape[0]
     return (
         feats.new_empty((m, feats.shape[1])),

@@ -48,8 +48,8 @@ def _check_lanes(lanes: int) -> int:
 
 
 @torch.library.register_fake("extkernels_fused::knn")
-def _knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
-    k = cpp_ops._check_max_k(check_knn(p_query, p_ref, k, values=False))
+def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
+    k = cpp_ops.check_max_k(check_knn(p_query, p_ref, k, values=False))
     _check_lanes(lanes)
     _check_index(index)
     m = p_query.shape[0]
