@@ -43,6 +43,12 @@ from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, Entry, entry_key
 from .interop import Where, descriptor, launch, where
 
+#: Tags of every Warp operator: the kernels read rows densely, so inductor must hand
+#: them contiguous tensors (a compiled MLP's output may otherwise arrive with padded
+#: rows), and they keep state in Python between calls (no CUDA graph inside a compiled
+#: region).
+TAGS = (torch.Tag.needs_contiguous_strides, *CUDAGRAPH_UNSAFE)
+
 __all__ = [
     "BACKWARDS",
     "new_entry",
@@ -148,7 +154,7 @@ def forward(
     "warp::radius_aggregate",
     mutates_args=(),
     device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
+    tags=TAGS,
 )
 def radius_aggregate_op(
     p_query: torch.Tensor,
@@ -180,7 +186,7 @@ def radius_aggregate_op(
     "warp::radius_aggregate_manual",
     mutates_args=(),
     device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
+    tags=TAGS,
 )
 def radius_aggregate_manual_op(
     p_query: torch.Tensor,
@@ -275,7 +281,7 @@ def backward(
     "warp::radius_aggregate_backward",
     mutates_args=(),
     device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
+    tags=TAGS,
 )
 def radius_aggregate_backward_op(
     grad_out: torch.Tensor,
@@ -303,7 +309,7 @@ def radius_aggregate_backward_op(
     "warp::radius_aggregate_backward_manual",
     mutates_args=(),
     device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
+    tags=TAGS,
 )
 def radius_aggregate_backward_manual_op(
     grad_out: torch.Tensor,

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from ..checks import check_grad_out, check_radius_aggregate, check_same_device
-from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, entry_key
 from .interop import where
-from .ops import backward, launch_online, new_entry
+from .ops import TAGS, backward, launch_online, new_entry
 
 __all__ = [
     "radius_aggregate_saved_op",
@@ -48,7 +47,7 @@ def _check_norms(norms: object, p_query: torch.Tensor) -> None:
     "warp::radius_aggregate_saved",
     mutates_args=(),
     device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
+    tags=TAGS,
 )
 def radius_aggregate_saved_op(
     p_query: torch.Tensor,
@@ -80,7 +79,7 @@ def _saved_fake(p_query, p_ref, feats, radius, sigma):
     "warp::radius_aggregate_backward_saved",
     mutates_args=(),
     device_types=("cpu", "cuda"),
-    tags=CUDAGRAPH_UNSAFE,
+    tags=TAGS,
 )
 def radius_aggregate_backward_saved_op(
     grad_out: torch.Tensor,
