@@ -307,3 +307,180 @@ def test_stable_coverage_lists_the_aten_calls_of_the_sources():
     # torch::stable has empty() since 2.9, and no cumsum in the PyTorch this book pins
     assert table.loc["empty", "in torch::stable"]
     assert not table.loc["cumsum", "in torch::stable"]
+
+
+# ------------------------------------------ the Python half and chapter 9's helpers
+
+
+def test_the_fake_gives_the_kernels_shapes_and_refuses_what_they_refuse(ops):
+    q, r = _clouds("random", 30, 200)
+    feats = torch.randn(200, 6, dtype=torch.float64)
+    out, w, i = ops[1].knn_aggregate_fwd_fake(q, r, feats, 5, 0.1)
+    real = ops[0].knn_aggregate_fwd(q, r, feats, 5, 0.1)
+    assert [(t.shape, t.dtype) for t in (out, w, i)] == [
+        (t.shape, t.dtype) for t in real
+    ]
+    with pytest.raises(ValueError, match="^k: expected k <= 64"):
+        ops[1].knn_aggregate_fwd_fake(q, r, feats, 65, 0.1)
+
+
+@pytest.mark.parametrize("extra", [(), (4, "grid"), (4, "tree")])
+def test_one_autograd_formula_serves_the_cpp_and_the_fused_operator(ops, extra):
+    """``register_knn_autograd`` on both operators: the fused one, called with its
+    options left to their defaults or given, has chapter 9's gradient."""
+    from extkernels.ops import fused
+
+    fused.prepare()
+    q, r = _clouds("random", 80, 600)
+    feats = torch.randn(600, 5, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(80, 5, dtype=torch.float64)
+    want = torch.autograd.grad(
+        ops[0].knn_aggregate_fwd(q, r, feats, 7, 0.1)[0], feats, grad_out
+    )[0]
+    fused_fwd = torch.ops.extkernels_fused.knn_aggregate_fwd
+    out = fused_fwd(q, r, feats, 7, 0.1, *extra)[0]
+    got = torch.autograd.grad(out, feats, grad_out)[0]
+    # the tree's float32 weights are summed in another order than the grid's
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    small = feats[:300].detach().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda f: fused_fwd(q[:20], r[:300], f, 5, 0.1, *extra)[0], (small,)
+    )
+
+
+def test_the_build_summary_names_what_was_built(ops):
+    table = build.summary()
+    assert list(table.index) == [
+        "sources",
+        "TORCH_CUDA_ARCH_LIST",
+        "seconds to build or load",
+    ]
+    assert table.loc["sources", "extension"].startswith("knn.cpp")
+    assert table.loc["seconds to build or load", "extension"] >= 0
+    if build.arch_list() is None:
+        assert table.loc["TORCH_CUDA_ARCH_LIST", "extension"] == "(CPU only)"
+        assert table.loc["sources", "extension"] == "knn.cpp"
+
+
+def test_first_errors_keeps_the_first_line_and_says_when_nothing_was_raised(ops):
+    from extkernels.experiments import cuda_knn
+
+    q, r = _clouds("random", 20, 100)
+    bad = q.clone()
+    bad[0, 0] = math.nan
+
+    def other():
+        raise RuntimeError("not a refusal")
+
+    table = cuda_knn.first_errors(
+        {
+            "nan": lambda: ops[0].knn(bad, r, 3),
+            "double": lambda: ops[0].knn(q.double(), r, 3),
+            "fine": lambda: ops[0].knn(q, r, 3),
+        }
+    )
+    assert table.loc["nan", "error"].startswith(
+        "ValueError: p_query: expected finite coordinates"
+    )
+    assert table.loc["double", "error"].startswith("TypeError: p_query:")
+    assert table.loc["fine", "error"] == "no error"
+    assert "\n" not in "".join(table["error"])
+    with pytest.raises(RuntimeError, match="not a refusal"):
+        cuda_knn.first_errors({"other": other})
+
+
+def _table(ms: dict[str, tuple[float, float]], spread: float = 0.01):
+    """A benchmark table (timing.timings_frame's columns) with forward and training
+    medians ``ms[variant]`` and runs ``spread`` ms either side."""
+    import pandas as pd
+
+    rows = {
+        name: {
+            "forward_ms": f,
+            "train_ms": t,
+            "forward_min": f - spread,
+            "forward_max": f + spread,
+            "train_min": t - spread,
+            "train_max": t + spread,
+        }
+        for name, (f, t) in ms.items()
+    }
+    return pd.DataFrame(rows).T
+
+
+def test_chapter_9s_quotes_read_the_right_rows():
+    from extkernels import timing
+    from extkernels.experiments import cuda_knn
+
+    table = _table(
+        {
+            "knn/cpp": (0.5, 2.5),
+            "knn/cpp+compile": (0.3, 2.5),
+            "knn/cpp+graphs": (0.26, 0.56),
+            "knn/cpp+reduce-overhead": (0.31, 1.5),
+            "knn/triton+reduce-overhead": (0.35, 1.6),
+            "knn/floor": (0.28, 1.7),
+            "knn/floor+graphs": (0.07, 0.36),
+        }
+    )
+    quotes = cuda_knn.timing_quotes(table)
+    assert quotes["graphs_train_ms"] == 0.56 and quotes["triton_ro_fwd_ms"] == 0.35
+    assert quotes["compiled_vs_eager_forward"] == "faster than"
+    assert quotes["compiled_vs_eager_train"] == "within the run-to-run spread of"
+    shares = timing.above_floor(
+        table,
+        {
+            "eager": ("knn/cpp", "knn/floor"),
+            "one CUDA graph": ("knn/cpp+graphs", "knn/floor+graphs"),
+        },
+    )
+    floor = cuda_knn.floor_quotes(shares, (0.30, 0.70))
+    assert floor["agg_graphs_training_ms"] == pytest.approx(0.20)
+    assert floor["floor_eager_forward_ms"] == 0.28
+    assert floor["floor_vs_forward_goal"] == "0.020 ms under the 0.30 ms goal"
+    assert floor["floor_vs_training_goal"] == "1.000 ms above the 0.70 ms goal"
+
+
+def test_chapter_9s_profile_quotes_count_what_they_name():
+    import pandas as pd
+
+    from extkernels.experiments import cuda_knn
+
+    launches = pd.DataFrame(
+        {"name": ["cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernel"]}
+    ).assign(calls=[9.0, 2.0, 1.0])
+    assert cuda_knn.launch_quotes(launches) == {
+        "ro_graph_launches": 2.0,
+        "ro_kernel_launches": 10.0,
+    }
+    kernels = pd.DataFrame(
+        {
+            "name": ["aten::mm", "extkernels_cpp::knn", "aten::addmm"],
+            "time (ms)": [0.2, 0.1, 0.1],
+            "share (%)": [50.0, 25.0, 25.0],
+        }
+    )
+    quotes = cuda_knn.kernel_quotes(kernels, 0.25)
+    assert quotes == pytest.approx(
+        {"gpu_step_ms": 0.4, "gpu_busy_pct": 25.0, "mm_share_pct": 75.0}
+    )
+    loads = pd.DataFrame(
+        {"ms (do_bench)": [0.02, 0.01]},
+        index=[
+            "gather, 32 features, scalar loads",
+            "gather, 32 features, float4 loads",
+        ],
+    )
+    assert cuda_knn.vector_load_quotes(loads) == {"float4_gain": 2.0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vector_loads_times_both_gathers_and_both_dtypes(ops):
+    pytest.importorskip("triton")
+    from extkernels.experiments import cuda_knn
+
+    q, r = (t.cuda() for t in _clouds("random", 500, 4000))
+    loads = cuda_knn.vector_loads(q, r, torch.randn(4000, 25, device="cuda"), 7, 0.1)
+    assert len(loads) == 4 and (loads["ms (do_bench)"] > 0).all()
+    assert cuda_knn.vector_load_quotes(loads)["float4_gain"] > 0

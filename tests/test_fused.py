@@ -3,6 +3,7 @@ number of threads per query finds chapter 9's neighbours, both radius kernels ag
 a bad ``lanes`` is refused by the operator and by its fake, and the schemas' default
 ``lanes`` is the package's."""
 
+import pandas as pd
 import pytest
 import torch
 from conftest import DEVICES
@@ -216,3 +217,180 @@ def test_the_tree_search_is_exact_on_every_cloud():
         w = clouds.workload(name, 3000, side=6)
         d, i = torch.ops.extkernels_fused.knn(w.p_query, w.p_ref, 7)
         assert reference.validate_knn(w.p_query, w.p_ref, d, i, 7, atol=1e-5), name
+
+
+# ------------------------------------------------------- chapter 11's experiments
+
+
+def test_projector_builds_the_same_seeded_model_for_each_workload(small_problem):
+    from extkernels.experiments import whole_step
+
+    prob = small_problem
+    for workload, n_ref in (("knn", prob.n_ref), ("radius", prob.n_ref_radius)):
+        model, p_ref, target = whole_step.projector(workload, prob)
+        again, _, _ = whole_step.projector(workload, prob)
+        assert p_ref.shape == (n_ref, 3) and target.shape == (prob.n_query, 1)
+        for a, b in zip(model.parameters(), again.parameters(), strict=True):
+            assert torch.equal(a, b)
+        agg = model.aggregation
+        assert isinstance(
+            agg, ek.KnnAggregation if workload == "knn" else ek.RadiusAggregation
+        )
+    with pytest.raises(ValueError, match='^workload: expected "knn" or "radius"'):
+        whole_step.projector("ball", prob)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_steps_and_the_reduce_overhead_row_measure_both_workloads(
+    small_problem,
+):
+    from extkernels.experiments import whole_step, whole_step_report
+
+    prob = small_problem.with_sizes(device=torch.device("cuda"))
+    p_query = ek.query_grid(prob.grid_side, device="cuda")
+    steps, kernels, rows = {}, {}, {}
+    for workload in ("knn", "radius"):
+        model, cloud, target = whole_step.projector(workload, prob)
+        steps[workload], kernels[workload] = whole_step.captured_steps(
+            model, p_query, cloud, target, n_iters=5
+        )
+        model, cloud, target = whole_step.projector(workload, prob)
+        rows[workload] = whole_step.reduce_overhead_row(model, p_query, cloud, target)
+    steps = pd.concat(steps)
+    assert list(steps.columns) == ["ms", "min", "max"] and (steps["ms"] > 0).all()
+    quotes = whole_step_report.replay_quotes(steps, kernels)
+    assert 0 < quotes["knn_agg_share"] < 100
+    ro = whole_step_report.reduce_overhead_quotes(pd.DataFrame(rows).T)
+    assert ro["ro_whole_graphs"] >= 1
+
+
+def test_the_benchmark_rows_keep_the_chapters_order_and_skip_missing_ones():
+    from extkernels.experiments import whole_step_report as report
+
+    bench = pd.DataFrame(
+        {"forward_ms": [0.2, 0.1, 0.3], "train_ms": [0.5, 0.3, 0.6]},
+        index=["radius/fused+graphs", "knn/floor+graphs", "knn/fused"],
+    )
+    assert list(report.benchmark_rows(bench).index) == [
+        "knn/fused",
+        "knn/floor+graphs",
+        "radius/fused+graphs",
+    ]
+    quotes = report.benchmark_quotes(bench, {"radius/fused+graphs": (0.1, 0.3)})
+    assert quotes == {
+        "radius_fused_graphs_fwd": 0.2,
+        "radius_fused_graphs_train": 0.5,
+        "knn_floor_graphs_fwd": 0.1,
+        "knn_floor_graphs_train": 0.3,
+    }
+
+
+def test_the_lanes_and_radius_quotes_read_the_right_rows():
+    from extkernels.experiments import whole_step_report as report
+
+    lanes = pd.DataFrame(
+        {
+            "ms": [0.10, 0.19, 0.12, 0.13],
+            "min": [0.09, 0.18, 0.11, 0.12],
+            "max": [0.105, 0.20, 0.13, 0.14],
+            "same neighbours": True,
+        },
+        index=["chapter 9", "1", "4", "8"],
+    )
+    quotes = report.lanes_quotes(lanes)  # chapter 9's row is never the best group
+    assert quotes["best_lanes"] == "4" and quotes["best_lanes_ms"] == 0.12
+    assert quotes["one_lane_ms"] == 0.19 and quotes["cpp_agg_ms"] == 0.10
+    assert quotes["lanes_vs_cpp"] == "slower than"
+    walks = pd.DataFrame(
+        {"forward ms": [0.1, 0.08], "backward ms": [0.03, 0.06]},
+        index=["a warp per query", "a thread per feature"],
+    )
+    assert report.radius_quotes(walks) == pytest.approx(
+        {"warp_gain_fwd": 0.8, "warp_gain_bwd": 2.0}
+    )
+
+
+def test_the_replay_quotes_share_the_kernels_by_their_names():
+    from extkernels.experiments import whole_step_report as report
+
+    steps = pd.concat(
+        {
+            "knn": pd.DataFrame(
+                {"ms": [0.59, 0.56], "min": [0.58, 0.55], "max": [0.60, 0.57]},
+                index=["eager", "compiled"],
+            )
+        }
+    )
+    kernels = {
+        "knn": pd.DataFrame(
+            {
+                "kernel": ["extkernels::", "cutlass::Kernel2", "sm80_xmma_gemm", "x"],
+                "share (%)": [30.0, 20.0, 10.0, 40.0],
+            }
+        )
+    }
+    quotes = report.replay_quotes(steps, kernels)
+    assert quotes == {
+        "knn_compiled_graph_train": 0.56,
+        "knn_compiled_vs_eager_graph": "faster than",
+        "knn_gemm_share": 30.0,
+        "knn_agg_share": 30.0,
+    }
+
+
+def test_the_shapes_quotes_read_the_first_size_and_the_first_change():
+    from extkernels.experiments import whole_step_report as report
+
+    strategies = [
+        "compiled",
+        "compiled, mark_dynamic",
+        "one graph per size",
+        "one graph, padded to 131,072",
+    ]
+    index = pd.MultiIndex.from_product(
+        [strategies, [100_000, 90_000, 120_000]], names=["strategy", "points"]
+    )
+    shapes = pd.DataFrame(
+        {
+            "first call ms": range(len(index)),
+            "ms per call": [0.1 * i for i in range(len(index))],
+        },
+        index=index,
+    ).astype(float)
+    quotes = report.shapes_quotes(shapes)
+    assert quotes == pytest.approx(
+        {
+            "recompile_ms": 1.0,
+            "static_ms": 0.0,
+            "dynamic_ms": 0.4,
+            "recapture_ms": 7.0,
+            "graph_ms": 0.7,
+            "bucket_ms": 1.0,
+        }
+    )
+
+
+def test_the_precision_and_reduce_overhead_quotes():
+    from extkernels.experiments import whole_step_report as report
+
+    rounding = pd.DataFrame(
+        {"same neighbours (%)": [97.5, 82.5], "largest rounding": [0.002, 0.01]},
+        index=["float16", "bfloat16"],
+    )
+    assert report.rounding_quotes(rounding) == {"same_f16": 97.5, "same_bf16": 82.5}
+    half = pd.DataFrame(
+        {"ms": [0.25, 0.20], "relative error": [0.0, 4e-4]},
+        index=["float32", "float16"],
+    )
+    assert report.half_quotes(half, speed=False) == {"half_error": 4e-4}
+    assert report.half_quotes(half, speed=True)["half_speed"] == pytest.approx(1.25)
+    ro = pd.DataFrame(
+        {"ms per step": [1.4, 1.5], "graph launches": [3.0, 3.0]},
+        index=["knn", "radius"],
+    )
+    assert report.reduce_overhead_quotes(ro) == {
+        "ro_whole_knn_ms": 1.4,
+        "ro_whole_radius_ms": 1.5,
+        "ro_whole_graphs": 3.0,
+    }

@@ -290,3 +290,95 @@ def test_one_build_per_shape():
     before = len(kernels.gather._cubin_handles)
     table = ptx_tiers.build_costs(feats, 7, [1111, 1112, 1111 + 1])
     assert list(table["builds held"]) == [before + 1, before + 2, before + 2]
+
+
+# ------------------------------------------------------- chapter 10's helpers
+
+
+def test_the_listings_show_the_registration():
+    from extkernels.experiments.triton_launch import listing
+    from extkernels.ops.ptx import ops
+
+    assert ptx_tiers.show_listing.__module__.endswith("triton_launch")  # chapter 8's
+    registration = listing(ops.gather, ops.gather_fake)
+    assert registration.startswith('@torch.library.custom_op("extkernels_ptx::gather"')
+    assert '@gather.register_kernel("cpu")' in registration
+    assert "@gather.register_fake\ndef gather_fake(" in registration
+    assert "scatter" not in registration  # it stops at the end of the fake
+    autograd = listing(ops.gather_setup_context, "register_autograd")
+    assert autograd.startswith("def gather_setup_context(ctx, inputs, output):")
+    assert autograd.endswith(
+        "gather.register_autograd(gather_backward, setup_context=gather_setup_context)"
+    )
+
+
+def test_references_pass_and_catch_a_wrong_gather(monkeypatch):
+    weights, indices, feats, grad_out = _inputs("random", m=60, k=5, n=80, f=25)
+    feats32 = torch.randn(80, 32, generator=torch.Generator().manual_seed(3))
+    args = (weights, indices, feats, feats32, grad_out)
+    checks = ptx_tiers.check_against_references(*args)
+    assert list(checks)[1] == "gather equals chapter 9's C++ gather (25 features)"
+    assert all(checks.values()), checks
+    # A gather off by 1e-3 fails every comparison of the gather, not the scatter's.
+    monkeypatch.setattr(
+        torch.ops.extkernels_ptx, "gather", lambda w, i, f: GATHER(w, i, f) + 1e-3
+    )
+    wrong = ptx_tiers.check_against_references(*args)
+    assert [wrong[name] for name in checks] == [False, False, False, True]
+
+
+def _kernel_table(ptx_ms: float, cpp_ms: float, f: int):
+    import pandas as pd
+
+    rows = {
+        ("gather", "C++, scalar loads"): cpp_ms,
+        ("gather", "Triton"): 2 * ptx_ms,
+        ("gather", "PTX (pyptx)"): ptx_ms,
+        ("scatter", "C++"): cpp_ms,
+        ("scatter", "Triton"): ptx_ms,
+        ("scatter", "PTX (pyptx)"): ptx_ms,
+    }
+    if f % 4 == 0:
+        rows[("gather", "C++, float4 loads")] = cpp_ms / 2
+    table = pd.DataFrame(
+        {k: {"ms": v, "p20": 0.98 * v, "p80": 1.02 * v} for k, v in rows.items()}
+    ).T
+    table.index.names = ["piece", "written in"]
+    return table
+
+
+def test_glue_of_the_kernel_times_names_every_number_the_prose_quotes():
+    times = {"F = 25": _kernel_table(0.010, 0.013, 25)}
+    times["F = 32"] = _kernel_table(0.008, 0.008, 32)
+    words = ptx_tiers.kernel_times_glue(times)
+    assert words["ptx_gather_f25_us"] == pytest.approx(10.0)
+    assert words["ptx_vs_cpp_gather_f25"] == "faster than"
+    assert words["ptx_vs_triton_gather_f25"] == "faster than"
+    assert words["ptx_vs_cpp_gather_f32"] == "as fast as"  # overlapping ranges
+    assert words["ptx_vs_triton_scatter_f32"] == "as fast as"
+    assert words["cpp_float4_f32_us"] == pytest.approx(4.0)
+    assert len(words) == 2 * (2 * 2 + 2) + 1
+
+
+def test_glue_of_the_call_costs_and_the_projector():
+    import pandas as pd
+
+    costs = pd.DataFrame(
+        {
+            "µs per call": {
+                row: float(i) for i, row in enumerate(ptx_tiers.CALL_ROWS.values())
+            }
+        }
+    )
+    glued = ptx_tiers.call_costs_glue(costs)
+    assert glued["kernel_object_us"] == 0.0 and glued["gather_device_us"] == 5.0
+    names = ["knn/cpp", "knn/ptx", "knn/cpp+graphs", "knn/ptx+graphs"]
+    table = pd.DataFrame({"forward_ms": [0.3, 0.6, 0.26, 0.26]}, index=names)
+    table["train_ms"] = [1.7, 2.2, 0.56, 0.56]
+    for metric in ("forward", "train"):
+        table[f"{metric}_min"] = table[f"{metric}_ms"] * 0.99
+        table[f"{metric}_max"] = table[f"{metric}_ms"] * 1.01
+    words = ptx_tiers.projector_glue(table)
+    assert words["ptx_eager_train_ms"] == 2.2
+    assert words["ptx_vs_cpp_eager_forward"] == "slower than"
+    assert words["ptx_vs_cpp_graphs_train"] == "within the run-to-run spread of"

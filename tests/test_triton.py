@@ -38,7 +38,7 @@ def _clouds(kind: str, m: int, n: int, seed: int = 0):
 )
 def test_search_is_exact(kind, m, n, k, cells, grid):
     q, r = _clouds(kind, m, n)
-    d, i = ops._launch(q, r, k, grid=grid, cells=cells)
+    d, i = ops.launch_knn(q, r, k, grid=grid, cells=cells)
     want_d, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), k)
     want_d = torch.from_numpy(want_d).float().reshape(m, k)
     torch.testing.assert_close(d.cpu(), want_d, atol=1e-4, rtol=1e-5)
@@ -50,7 +50,7 @@ def test_search_is_exact(kind, m, n, k, cells, grid):
 def test_queries_outside_the_reference_box_are_exact():
     q, r = _clouds("random", 30, 300)
     q = q * 5.0  # most queries fall outside the cloud's box, in its border cells
-    d, _ = ops._launch(q, r, 5, grid=True)
+    d, _ = ops.launch_knn(q, r, 5, grid=True)
     want, _ = cKDTree(r.double().cpu().numpy()).query(q.double().cpu().numpy(), 5)
     torch.testing.assert_close(
         d.cpu(), torch.from_numpy(want).float(), atol=1e-4, rtol=1e-5
@@ -153,7 +153,7 @@ def test_fused_kernels_match_the_gather_and_its_gradient(m, n, f, k):
     q, r = _clouds("random", m, n)
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(n, f, generator=g).to(DEVICE)
-    out, w, idx = ops._launch_aggregate(q, r, feats, k, 0.1, grid=False)
+    out, w, idx = ops.launch_knn_aggregate(q, r, feats, k, 0.1, grid=False)
     d0, i0 = torch.cdist(q, r).topk(k, largest=False)
     leaf = feats.clone().requires_grad_(True)
     want = softmax_gather(d0, i0, leaf, 0.1)
@@ -211,7 +211,7 @@ def test_grid_fused_launch_matches_the_gather(kind):
     m, n, f, k = 70, 700, 9, 7
     q, r = _clouds(kind, m, n, seed=4)
     feats = torch.randn(n, f, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    out, weights, indices = ops._launch_aggregate(q, r, feats, k, 0.1, grid=True)
+    out, weights, indices = ops.launch_knn_aggregate(q, r, feats, k, 0.1, grid=True)
     d0, i0 = torch.cdist(q.double(), r.double()).topk(k, largest=False)
     want = softmax_gather(d0.float(), i0, feats, 0.1)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
@@ -227,3 +227,92 @@ def test_listings_show_the_function_inside_a_triton_op():
     assert decorated(kernels.knn_kernel).__name__ == "knn_kernel"
     assert callable(decorated(kernels.knn_kernel))  # the function, not the kernel
     assert not hasattr(decorated(kernels.knn_kernel), "fn")
+
+
+# ------------------------------------------------------- chapter 8's helpers
+
+
+def test_listing_runs_from_a_function_through_a_registration():
+    from extkernels.experiments.triton_launch import listing
+
+    fake = listing(ops.knn_cpu, ops.knn_fake)
+    assert fake.startswith('@knn_op.register_kernel("cpu")\ndef knn_cpu(')
+    assert "@knn_op.register_fake\ndef knn_fake(" in fake
+    assert fake.endswith("dtype=torch.int64)")  # the fake's return, and no further
+    autograd = listing(ops.knn_aggregate_bwd_op, "register_autograd")
+    assert autograd.startswith(
+        '@torch.library.triton_op("triton_knn::knn_aggregate_bwd"'
+    )
+    assert "def knn_aggregate_setup_context(" in autograd
+    # a call over several lines is shown through its closing parenthesis
+    assert autograd.endswith(
+        "knn_aggregate_fwd_op.register_autograd(\n    knn_aggregate_backward, "
+        "setup_context=knn_aggregate_setup_context\n)"
+    )
+    with pytest.raises(ValueError, match="no line below knn_fake"):
+        listing(ops.knn_fake, "register_autograd(knn_fake")
+    with pytest.raises(ValueError, match="is not below knn_fake"):
+        listing(ops.knn_fake, ops.knn_cpu)
+
+
+def _timings(**train_ms):
+    import pandas as pd
+
+    from extkernels.experiments import triton_launch as tl
+
+    forward = {tl.CUML: 8.0, tl.EAGER: 0.6, tl.COMPILED: 0.5, tl.GRAPHS: 0.3}
+    train = {tl.CUML: 10.0, tl.EAGER: 2.3, tl.COMPILED: 2.2, tl.GRAPHS: 1.2}
+    train.update({getattr(tl, k): v for k, v in train_ms.items()})
+    table = pd.DataFrame({"forward_ms": forward, "train_ms": train})
+    table["train_min"], table["train_max"] = (
+        table.train_ms * 0.99,
+        table.train_ms * 1.01,
+    )
+    return table
+
+
+def test_targets_table_and_the_words_the_prose_quotes():
+    from extkernels.experiments import triton_launch as tl
+
+    table = _timings()
+    targets = tl.against_targets(table)
+    assert list(targets.index) == [tl.EAGER, tl.COMPILED, tl.GRAPHS]
+    assert list(targets["all met"]) == [False, False, True]
+    assert targets.loc[tl.GRAPHS, "× cuML training (≥ 8)"] == pytest.approx(10 / 1.2)
+    words = tl.targets_glue(table, targets)
+    assert words["ro_targets"] == "meets every target"
+    assert words["ro_vs_compiled"] == "faster than"
+    assert words["eager_train_target"] == words["compiled_train_target"] == "misses"
+    assert words["ro_gain_train"] == pytest.approx(2.2 / 1.2)
+    assert all(type(v) in (float, str) for v in words.values())  # glue-able
+    # 1.6 ms of training misses the 1.5 ms target, however fast the forward is
+    slow = _timings(GRAPHS=1.6)
+    assert tl.targets_glue(slow, tl.against_targets(slow))["ro_targets"] == (
+        "misses a target"
+    )
+
+
+def test_generated_lines_are_read_from_inductors_code():
+    from extkernels.experiments.triton_launch import generated_lines
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: (x.sin() * 2).sum(), fullgraph=True)
+    x = torch.randn(64)
+    result, lines = generated_lines(compiled, x, names=("fused",), call="(")
+    torch.testing.assert_close(result, (x.sin() * 2).sum())
+    assert lines and all("fused" in line and "(" in line for line in lines)
+    assert all(line == line.strip() for line in lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="do_bench times on a CUDA GPU")
+def test_autotune_times_name_the_chosen_configuration():
+    from extkernels.experiments.triton_launch import autotune_times
+
+    q, r = _clouds("random", 300, 4000, seed=6)
+    ops.search(q, r, 7, autotuned=True)
+    best = kernels.knn_kernel_autotuned.best_config
+    times = autotune_times(q, r, 7, best, lambda a, b: ops.search(a, b, 7))
+    assert times.index[0] == "fixed (BLOCK_Q=16, num_warps=1)"
+    assert f"BLOCK_Q={best.kwargs['BLOCK_Q']}" in times.index[1]
+    assert (times > 0).all()

@@ -5,8 +5,10 @@ kernel object, pyptx's own operator, the book's operator eager, compiled, and re
 in a CUDA graph); :func:`kernel_times` times the same gather and scatter written in
 C++, Triton and PTX on the device; :func:`build_costs` measures pyptx's build per shape
 and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly` asks
-``torch.compile`` to trace pyptx's kernel object itself. All but
-:func:`bucket_builds` need a Hopper GPU.
+``torch.compile`` to trace pyptx's kernel object itself. All these but
+:func:`bucket_builds` need a Hopper GPU. :func:`check_against_references` compares the
+operators with float64 sums and chapter 9's C++ gather; the ``*_glue`` functions give
+the numbers the chapter's prose quotes; :func:`show_listing` is chapter 8's.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from ..graphs import CapturedStep
 from ..ops.checks import value_checks
 from ..ops.ptx import kernels
 from ..ops.triton import ops as triton_ops
-from ..timing import first_call_seconds, ranked, time_blocks
+from ..timing import first_call_seconds, ranked, time_blocks, verdict
+from .triton_launch import show_listing
 
 __all__ = [
+    "show_listing",
+    "check_against_references",
     "pyptx_operator",
     "call_costs",
     "kernel_times",
@@ -35,7 +40,59 @@ __all__ = [
     "bucket",
     "bucket_builds",
     "compile_directly",
+    "call_costs_glue",
+    "kernel_times_glue",
+    "projector_glue",
 ]
+
+#: The rows of :func:`call_costs` the prose quotes, by glue key (``<key>_us``).
+CALL_ROWS = {
+    "kernel_object": "pyptx kernel object (its C++ bridge)",
+    "pyptx_op": "pyptx's operator (pyptx::kernel_<handle>)",
+    "our_op": "extkernels_ptx::gather (checks + kernel)",
+    "compiled": "extkernels_ptx::gather, torch.compile(fullgraph=True)",
+    "graph": "extkernels_ptx::gather, CUDA graph replay",
+    "gather_device": "the kernel alone (do_bench: device time, L2 emptied first)",
+}
+
+
+def check_against_references(
+    weights, indices, feats, feats32, grad_out
+) -> dict[str, bool]:
+    """Chapter 10's correctness checks, on any device (value checks are the caller's
+    choice): the PTX gather against a float64 sum and against chapter 9's C++ gather
+    with ``feats`` ``(N, F)`` and ``feats32`` ``(N, 32)`` (float4 loads there), and the
+    PTX scatter of ``grad_out`` ``(M, F)`` against a float64 ``index_add_``. Weights
+    ``(M, k)`` float32, indices ``(M, k)`` int64."""
+    gather, scatter = torch.ops.extkernels_ptx.gather, torch.ops.extkernels_ptx.scatter
+    cpp_gather = torch.ops.extkernels_cpp.gather
+    n_ref = feats.shape[0]
+    exact = (weights.double().unsqueeze(-1) * feats.double()[indices]).sum(1)
+    contributions = weights.double().unsqueeze(-1) * grad_out.double().unsqueeze(1)
+    scattered = torch.zeros(
+        n_ref, grad_out.shape[1], dtype=torch.float64, device=feats.device
+    )
+    scattered.index_add_(0, indices.reshape(-1), contributions.flatten(0, 1))
+    return {
+        "gather equals the float64 sum": torch.allclose(
+            gather(weights, indices, feats).double(), exact, atol=1e-5
+        ),
+        f"gather equals chapter 9's C++ gather ({feats.shape[1]} features)": (
+            torch.allclose(
+                gather(weights, indices, feats),
+                cpp_gather(weights, indices, feats, False),
+                atol=1e-6,
+            )
+        ),
+        "gather equals chapter 9's C++ gather (32 features)": torch.allclose(
+            gather(weights, indices, feats32),
+            cpp_gather(weights, indices, feats32, True),
+            atol=1e-6,
+        ),
+        "scatter equals the float64 index_add_": torch.allclose(
+            scatter(grad_out, weights, indices, n_ref).double(), scattered, atol=1e-4
+        ),
+    }
 
 
 def pyptx_operator(kernel) -> Callable:
@@ -226,3 +283,56 @@ def compile_directly(weights, indices, feats) -> pd.Series:
         },
         name="torch.compile of pyptx's kernel object",
     )
+
+
+def call_costs_glue(costs: pd.DataFrame) -> dict[str, float]:
+    """Microseconds per call from :func:`call_costs` that chapter 10's prose quotes, by
+    glue key."""
+    return {
+        f"{key}_us": float(costs.loc[row, "µs per call"])
+        for key, row in CALL_ROWS.items()
+    }
+
+
+def kernel_times_glue(times: dict[str, pd.DataFrame]) -> dict[str, object]:
+    """What chapter 10's prose quotes from :func:`kernel_times` tables, one per number
+    of features (``times`` keyed ``"F = <F>"``, one of them ``"F = 32"``): the PTX
+    kernels' microseconds and how they compare with the C++ and Triton ones (the C++
+    gather with scalar loads), by glue key."""
+    out: dict[str, object] = {}
+    for f, table in times.items():
+        tag = f.replace("F = ", "f")
+        for piece in ("gather", "scatter"):
+            for other, key in [("C++", "cpp"), ("Triton", "triton")]:
+                name = other
+                if piece == "gather" and other == "C++":
+                    name = "C++, scalar loads"
+                out[f"ptx_vs_{key}_{piece}_{tag}"] = compare(
+                    table, piece, "PTX (pyptx)", name
+                )
+            ms = table.loc[(piece, "PTX (pyptx)"), "ms"]
+            out[f"ptx_{piece}_{tag}_us"] = float(ms * 1e3)
+    float4 = times["F = 32"].loc[("gather", "C++, float4 loads"), "ms"]
+    out["cpp_float4_f32_us"] = float(float4 * 1e3)
+    return out
+
+
+def projector_glue(table: pd.DataFrame) -> dict[str, object]:
+    """What chapter 10's prose quotes from the benchmark's ``table`` of the ``cpp`` and
+    ``ptx`` projectors, eager and in CUDA graphs: their milliseconds and how they
+    compare, by glue key."""
+    out: dict[str, object] = {}
+    for name, key in [
+        ("knn/ptx+graphs", "ptx_graphs"),
+        ("knn/cpp+graphs", "cpp_graphs"),
+        ("knn/ptx", "ptx_eager"),
+        ("knn/cpp", "cpp_eager"),
+    ]:
+        out[f"{key}_fwd_ms"] = float(table.loc[name, "forward_ms"])
+        out[f"{key}_train_ms"] = float(table.loc[name, "train_ms"])
+    for metric in ("forward", "train"):
+        for kind, suffix in [("graphs", "+graphs"), ("eager", "")]:
+            out[f"ptx_vs_cpp_{kind}_{metric}"] = verdict(
+                table, f"knn/ptx{suffix}", f"knn/cpp{suffix}", metric
+            )
+    return out

@@ -1,12 +1,15 @@
-"""The experiments of chapter 11: threads per query, the replay's kernels, the step
-through ``mode="reduce-overhead"``, shapes that change between calls, and lower
-precision.
+"""The experiments of chapter 11: threads per query, the step captured by hand and the
+replay's kernels, the step through ``mode="reduce-overhead"``, shapes that change
+between calls, and lower precision.
 
 Each function runs on the device of its inputs; those that need CUDA graphs say so.
+The rows of the benchmark's table the chapter shows, and the numbers its prose quotes
+from these tables, are in :mod:`~.whole_step_report`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pandas as pd
@@ -14,19 +17,23 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import DeviceType
 
-from ..data import query_grid, reference_cloud
-from ..graphs import CapturedStep, captured_forward
-from ..models import KnnAggregation, Projector
+from ..data import query_grid, reference_cloud, targets
+from ..graphs import CapturedStep, captured_forward, captured_train_step
+from ..models import KnnAggregation, Projector, RadiusAggregation
 from ..ops import knn, knn_aggregate
 from ..ops.checks import value_checks
-from ..profiling import profile
+from ..problem import Problem
+from ..profiling import profile, runtime_calls
 from ..timing import first_call_seconds, time_blocks, time_fn
 
 __all__ = [
     "lanes_table",
     "radius_kernels",
+    "projector",
+    "captured_steps",
     "replay_kernels",
     "reduce_overhead_step",
+    "reduce_overhead_row",
     "pad_cloud",
     "changing_shapes",
     "rounded_search",
@@ -98,6 +105,56 @@ def radius_kernels(p_query, p_ref, feats, radius: float, sigma: float, n_iters=2
     return out.rename_axis("kernel")
 
 
+def projector(workload: str, prob: Problem):
+    """The projector of ``workload`` (``"knn"`` or ``"radius"``) with the fused
+    backend's aggregation, its reference cloud and its targets, at the sizes of
+    ``prob`` (chapter 11). The weights are seeded with ``prob.seed``, so every call
+    builds the same model.
+
+    Returns:
+        ``(model, p_ref, target)``: the :class:`~extkernels.models.Projector` on
+        ``prob.device``, the cloud ``(N, 3)`` float32 (``prob.n_ref`` or
+        ``prob.n_ref_radius`` points) and the targets ``(M, 1)`` float32.
+    """
+    if workload == "knn":
+        agg, n_ref = KnnAggregation(prob.k, prob.sigma, "fused"), prob.n_ref
+    elif workload == "radius":
+        agg = RadiusAggregation(prob.radius, prob.sigma, "fused")
+        n_ref = prob.n_ref_radius
+    else:
+        raise ValueError(f'workload: expected "knn" or "radius", got "{workload}"')
+    torch.manual_seed(prob.seed)
+    model = Projector(agg, prob.hidden).to(prob.device)
+    p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
+    target = targets(prob.n_query, seed=prob.seed, device=prob.device)
+    return model, p_ref, target
+
+
+def captured_steps(model, p_query, p_ref, target, n_iters: int = 200, top: int = 8):
+    """The training step of ``model`` captured in one CUDA graph twice (chapter 11):
+    with the eager model inside, then with ``torch.compile(model, fullgraph=True)``
+    (inductor's kernels then run in the graph). Each is timed by replays, medians of
+    five blocks of ``n_iters``, value checks off; then the kernels of the compiled
+    step's replay are listed (:func:`replay_kernels`). Both steps train ``model``.
+
+    Returns:
+        ``(times, kernels)``: DataFrame indexed by the model in the graph
+        (``eager``, ``compiled``) with ``ms``, ``min`` and ``max``; and the
+        ``top`` kernels of a replay.
+    """
+    compiled = torch.compile(model, fullgraph=True)
+    times = {}
+    with value_checks(False):
+        for label, inside in (("eager", model), ("compiled", compiled)):
+            step = captured_train_step(
+                inside, model.parameters(), p_query, p_ref, target
+            )
+            ms = time_blocks(step, n_iters, repeats=5)
+            times[label] = dict(zip(("ms", "min", "max"), ms, strict=True))
+        kernels = replay_kernels(step, top=top)
+    return pd.DataFrame(times).T, kernels
+
+
 def replay_kernels(fn: Callable[[], object], n_iters: int = 20, top: int = 10):
     """The device kernels of ``fn`` (a replayed CUDA graph, say) under
     ``torch.profiler``, per call: the ``top`` by time, then one row for the rest.
@@ -160,6 +217,35 @@ def reduce_overhead_step(model, params, p_query, p_ref, target, lr: float = 1e-3
         return loss.detach()
 
     return step
+
+
+def reduce_overhead_row(model, p_query, p_ref, target) -> dict[str, float]:
+    """One row of chapter 11's table of the whole step compiled under
+    ``mode="reduce-overhead"`` (:func:`reduce_overhead_step`): five steps of warm-up,
+    then ``torch.profiler`` over ten steps to count the launches, then the time per
+    step, medians of five blocks of 50, value checks off. Dynamo's warning about the
+    profiler range that Adam's step opens is silenced for the process (its logs shown
+    at ERROR only).
+
+    Returns:
+        ``ms per step``, and the ``graph launches`` and ``kernel launches`` per step.
+    """
+    torch._logging.set_logs(dynamo=logging.ERROR)
+    with value_checks(False):
+        step = reduce_overhead_step(model, model.parameters(), p_query, p_ref, target)
+        for _ in range(5):
+            step()
+        prof = profile(step, device=p_query.device, n_iters=10, warmup=2)
+        ms = time_blocks(step, 50, repeats=5)
+    calls = runtime_calls(
+        prof, names=("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel")
+    )
+    graph = calls["name"] == "cudaGraphLaunch"
+    return {
+        "ms per step": ms[0],
+        "graph launches": calls.loc[graph, "calls"].sum(),
+        "kernel launches": calls.loc[~graph, "calls"].sum(),
+    }
 
 
 def pad_cloud(p_ref: torch.Tensor, size: int, p_query: torch.Tensor) -> torch.Tensor:

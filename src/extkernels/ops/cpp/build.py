@@ -13,7 +13,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-__all__ = ["CSRC", "sources", "load", "build_seconds", "arch_list", "stable_coverage"]
+__all__ = [
+    "CSRC",
+    "sources",
+    "load",
+    "build_seconds",
+    "arch_list",
+    "summary",
+    "stable_coverage",
+]
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -60,6 +68,22 @@ def load(verbose: bool = False) -> None:
         verbose=verbose,
     )
     build_seconds = time.perf_counter() - start
+
+
+def summary() -> pd.DataFrame:
+    """What :func:`load` built or found in this process (chapter 9): the sources
+    compiled, ``TORCH_CUDA_ARCH_LIST`` (``"(CPU only)"`` without CUDA) and the seconds
+    the first load took, as one column named ``extension``."""
+    if build_seconds is None:
+        raise RuntimeError(
+            "summary: the extension is not loaded yet; call load() first"
+        )
+    rows = {
+        "sources": ", ".join(p.name for p in sources(_with_cuda())),
+        "TORCH_CUDA_ARCH_LIST": arch_list() or "(CPU only)",
+        "seconds to build or load": round(build_seconds, 1),
+    }
+    return pd.Series(rows, name="extension").to_frame()
 
 
 def stable_coverage() -> pd.DataFrame:

@@ -14,7 +14,16 @@ from .. import checks
 from ..checks import check_knn, check_knn_aggregate
 from . import build
 
-__all__ = ["FEATS_DTYPES", "MAX_K", "MAX_POINTS", "knn", "knn_aggregate", "gather"]
+__all__ = [
+    "FEATS_DTYPES",
+    "MAX_K",
+    "MAX_POINTS",
+    "knn",
+    "knn_aggregate",
+    "gather",
+    "knn_aggregate_fwd_fake",
+    "register_knn_autograd",
+]
 
 build.load()
 
@@ -29,7 +38,7 @@ checks.on_value_checks(_ops.set_value_checks)
 MAX_K, MAX_POINTS = (int(v) for v in _ops.limits())
 
 
-def _check_max_k(k: int) -> int:
+def check_max_k(k: int) -> int:
     if k > MAX_K:
         raise ValueError(
             f"k: expected k <= {MAX_K} (the C++ kernels keep at most that many "
@@ -39,18 +48,21 @@ def _check_max_k(k: int) -> int:
 
 
 @torch.library.register_fake("extkernels_cpp::knn")
-def _knn_fake(p_query, p_ref, k):
-    k = _check_max_k(check_knn(p_query, p_ref, k, values=False))
+def knn_fake(p_query, p_ref, k):
+    k = check_max_k(check_knn(p_query, p_ref, k, values=False))
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
 
 @torch.library.register_fake("extkernels_cpp::knn_aggregate_fwd")
-def _knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
+def knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
+    """What the compiler runs instead of the kernels (chapter 9): their checks of
+    metadata, then empty ``out`` ``(M, F)``, ``weights`` ``(M, k)`` and ``indices``
+    ``(M, k)`` int64, as the C++ operator returns."""
     k, _ = check_knn_aggregate(
         p_query, p_ref, feats, k, sigma, values=False, feats_dtypes=FEATS_DTYPES
     )
-    _check_max_k(k)
+    check_max_k(k)
     m = p_query.shape[0]
     return (
         feats.new_empty((m, feats.shape[1])),
@@ -69,26 +81,34 @@ def _gather_fake(weights, indices, feats, vector_loads=False):
     return feats.new_empty((weights.shape[0], feats.shape[1]))
 
 
-def _setup_context(ctx, inputs, output):
-    _, p_ref, _, _, _ = inputs
-    _, weights, indices = output
-    ctx.save_for_backward(weights, indices)
-    ctx.n_ref = p_ref.shape[0]
+def register_knn_autograd(op: str) -> None:
+    """Give the kNN aggregation operator ``op`` its autograd formula (chapter 9; chapter
+    11's fused operator registers the same one). Its forward returns ``(out, weights,
+    indices)``: ``setup_context`` keeps the softmax weights ``(M, k)`` float32 and the
+    neighbours ``(M, k)`` int64, and the backward scatters ``grad_out`` ``(M, F)``
+    through them into the features' gradient ``(N, F)`` with
+    ``extkernels_cpp::knn_aggregate_bwd``. Only ``feats``, the third input, gets one."""
+
+    def setup_context(ctx, inputs, output):
+        _, p_ref, *_ = inputs
+        _, weights, indices = output
+        ctx.save_for_backward(weights, indices)
+        ctx.n_ref = p_ref.shape[0]
+
+    def backward(ctx, grad_out, _grad_weights, _grad_indices):
+        weights, indices = ctx.saved_tensors
+        grad_feats = None
+        if ctx.needs_input_grad[2]:
+            grad_feats = _ops.knn_aggregate_bwd(
+                grad_out.contiguous(), weights, indices, ctx.n_ref
+            )
+        others = (None,) * (len(ctx.needs_input_grad) - 3)  # k, sigma, any options
+        return None, None, grad_feats, *others
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad_out, _grad_weights, _grad_indices):
-    weights, indices = ctx.saved_tensors
-    grad_feats = None
-    if ctx.needs_input_grad[2]:
-        grad_feats = _ops.knn_aggregate_bwd(
-            grad_out.contiguous(), weights, indices, ctx.n_ref
-        )
-    return None, None, grad_feats, None, None
-
-
-torch.library.register_autograd(
-    "extkernels_cpp::knn_aggregate_fwd", _backward, setup_context=_setup_context
-)
+register_knn_autograd("extkernels_cpp::knn_aggregate_fwd")
 
 
 def knn(p_query, p_ref, k):

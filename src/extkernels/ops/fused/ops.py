@@ -48,8 +48,8 @@ def _check_lanes(lanes: int) -> int:
 
 
 @torch.library.register_fake("extkernels_fused::knn")
-def _knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
-    k = cpp_ops._check_max_k(check_knn(p_query, p_ref, k, values=False))
+def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
+    k = cpp_ops.check_max_k(check_knn(p_query, p_ref, k, values=False))
     _check_lanes(lanes)
     _check_index(index)
     m = p_query.shape[0]
@@ -62,7 +62,7 @@ def _knn_aggregate_fwd_fake(
 ):
     _check_lanes(lanes)
     _check_index(index)
-    return cpp_ops._knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
+    return cpp_ops.knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
 
 
 @torch.library.register_fake("extkernels_fused::knn_work")
@@ -72,23 +72,8 @@ def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
     return p_query.new_empty((p_query.shape[0], 2), dtype=torch.int64)
 
 
-def _knn_setup_context(ctx, inputs, output):
-    _, p_ref, *_ = inputs
-    _, weights, indices = output
-    ctx.save_for_backward(weights, indices)
-    ctx.n_ref = p_ref.shape[0]
-
-
-def _knn_backward(ctx, grad_out, _grad_weights, _grad_indices):
-    grad_feats = cpp_ops._backward(ctx, grad_out, _grad_weights, _grad_indices)[2]
-    return None, None, grad_feats, None, None, None, None
-
-
-torch.library.register_autograd(
-    "extkernels_fused::knn_aggregate_fwd",
-    _knn_backward,
-    setup_context=_knn_setup_context,
-)
+# The forward returns chapter 9's (out, weights, indices): its backward is chapter 9's.
+cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_fwd")
 
 
 @torch.library.register_fake("extkernels_fused::radius_aggregate_fwd")

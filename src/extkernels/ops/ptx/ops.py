@@ -23,7 +23,18 @@ from ..capture import capturing
 from ..checks import check_same_device, values_checked
 from . import kernels
 
-__all__ = ["gather", "scatter", "check_neighbours", "check_hopper"]
+__all__ = [
+    "gather",
+    "gather_cpu",
+    "gather_fake",
+    "scatter",
+    "scatter_cpu",
+    "scatter_fake",
+    "gather_setup_context",
+    "gather_backward",
+    "check_neighbours",
+    "check_hopper",
+]
 
 #: The compute capability the kernels are built for (``sm_90a``).
 HOPPER = (9, 0)
@@ -110,13 +121,15 @@ def gather(
 
 
 @gather.register_kernel("cpu")
-def _gather_cpu(weights, indices, feats):
+def gather_cpu(weights, indices, feats):
+    """The gather on CPU tensors, in PyTorch (chapter 10)."""
     check_neighbours(weights, indices, feats, feats.shape[0])
     return (weights.unsqueeze(-1) * feats[indices]).sum(dim=1)
 
 
 @gather.register_fake
-def _gather_fake(weights, indices, feats):
+def gather_fake(weights, indices, feats):
+    """An empty ``(M, F)`` output, after the same metadata checks (chapter 10)."""
     check_neighbours(weights, indices, feats, feats.shape[0], values=False)
     return feats.new_empty((weights.shape[0], feats.shape[1]))
 
@@ -141,7 +154,8 @@ def scatter(
 
 
 @scatter.register_kernel("cpu")
-def _scatter_cpu(grad_out, weights, indices, n_ref):
+def scatter_cpu(grad_out, weights, indices, n_ref):
+    """The scatter on CPU tensors, by ``index_add_`` (chapter 10)."""
     check_neighbours(weights, indices, grad_out, n_ref, rows_name="grad_out")
     contributions = weights.unsqueeze(-1) * grad_out.unsqueeze(1)  # (M, k, F)
     grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))
@@ -149,7 +163,8 @@ def _scatter_cpu(grad_out, weights, indices, n_ref):
 
 
 @scatter.register_fake
-def _scatter_fake(grad_out, weights, indices, n_ref):
+def scatter_fake(grad_out, weights, indices, n_ref):
+    """An empty ``(n_ref, F)`` output, after the same metadata checks (chapter 10)."""
     check_neighbours(
         weights, indices, grad_out, n_ref, rows_name="grad_out", values=False
     )
@@ -159,15 +174,17 @@ def _scatter_fake(grad_out, weights, indices, n_ref):
 # -------------------------------------------------------------------- autograd
 
 
-def _setup_context(ctx, inputs, output):
+def gather_setup_context(ctx, inputs, output):
+    """Keeps the weights, the indices and (for the weights' gradient) the features
+    (chapter 10)."""
     weights, indices, feats = inputs
     ctx.n_ref = feats.shape[0]
     ctx.save_for_backward(weights, indices, feats if ctx.needs_input_grad[0] else None)
 
 
-def _backward(ctx, grad_out):
+def gather_backward(ctx, grad_out):
     """``feats`` by the scatter; ``weights`` (when they need it) by PyTorch:
-    ``grad_weights[q, j] = <grad_out[q], feats[indices[q, j]]>``."""
+    ``grad_weights[q, j] = <grad_out[q], feats[indices[q, j]]>`` (chapter 10)."""
     weights, indices, feats = ctx.saved_tensors
     grad_out = grad_out.contiguous()
     grad_weights = grad_feats = None
@@ -178,4 +195,4 @@ def _backward(ctx, grad_out):
     return grad_weights, None, grad_feats
 
 
-gather.register_autograd(_backward, setup_context=_setup_context)
+gather.register_autograd(gather_backward, setup_context=gather_setup_context)

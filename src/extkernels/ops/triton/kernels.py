@@ -18,6 +18,9 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "merge_tile",
+    "cube",
+    "grid_walk",
     "cell_keys_kernel",
     "knn_kernel",
     "knn_kernel_autotuned",
@@ -74,10 +77,11 @@ def _merge_one(d, r, best_d, best_i, cols):
 
 
 @triton.jit
-def _merge_tile(
+def merge_tile(
     qx, qy, qz, r_ptr, start, N, best_d, best_i, cols, BLOCK_R: tl.constexpr
 ):
-    """The reference points ``start .. start + BLOCK_R`` into the kept lists."""
+    """The reference points ``start .. start + BLOCK_R`` into the kept lists (chapter
+    8 shows it)."""
     lanes = tl.arange(0, BLOCK_R)[None, :]
     r = start + tl.arange(0, BLOCK_R)
     r_in = r < N
@@ -104,21 +108,21 @@ def _merge_tile(
 @triton.jit
 def _brute_force(qx, qy, qz, r_ptr, N, best_d, best_i, cols, BLOCK_R: tl.constexpr):
     for start in range(0, N, BLOCK_R):
-        best_d, best_i = _merge_tile(
+        best_d, best_i = merge_tile(
             qx, qy, qz, r_ptr, start, N, best_d, best_i, cols, BLOCK_R
         )
     return best_d, best_i
 
 
 @triton.jit
-def _cube(
+def cube(
     qx, qy, qz, q_in, cx, cy, cz, r_ptr, start_ptr, G, best_d, best_i, cols,
     R: tl.constexpr, RUNS: tl.constexpr,
 ):  # fmt: skip
     """The points of the ``(2R + 1)^3`` cells around each query's cell into its list.
     Cells that differ in z only are neighbours in the sorted cloud, so the cube is
     ``(2R + 1)^2`` runs of consecutive points, one per lane (``RUNS``: a power of two,
-    at least ``(2R + 1)^2``), read one point per run and step."""
+    at least ``(2R + 1)^2``), read one point per run and step (chapter 8 shows it)."""
     side: tl.constexpr = 2 * R + 1
     run = tl.arange(0, RUNS)[None, :]
     nx = cx[:, None] + run // side - R
@@ -141,7 +145,7 @@ def _cube(
         rz = tl.load(r_ptr + r * 3 + 2, mask=r_in, other=0.0)
         dx, dy, dz = qx[:, None] - rx, qy[:, None] - ry, qz[:, None] - rz
         d = tl.where(r_in, dx * dx + dy * dy + dz * dz, float("inf"))
-        # As in _merge_tile: only candidates closer than the worst kept one matter.
+        # As in merge_tile: only candidates closer than the worst kept one matter.
         better = d < tl.max(best_d, axis=1)[:, None]
         rounds = tl.minimum(
             tl.max(tl.sum(better.to(tl.int32), axis=1)), best_d.shape[1]
@@ -156,11 +160,12 @@ def _cube(
 
 
 @triton.jit
-def _grid_walk(
+def grid_walk(
     qx, qy, qz, q_in, r_ptr, start_ptr, lo_ptr, hi_ptr, G, empty, best_i, cols,
 ):  # fmt: skip
     """The cube of 27 cells around each query's cell, then (for a block not done) the
-    cube of 125; returns the lists and whether every query of the block is done."""
+    cube of 125; returns the lists and whether every query of the block is done
+    (chapter 8 shows it)."""
     size = _cell_size(lo_ptr, hi_ptr, G)
     lo_x, lo_y, lo_z = tl.load(lo_ptr + 0), tl.load(lo_ptr + 1), tl.load(lo_ptr + 2)
     cx, cy, cz = (
@@ -178,13 +183,13 @@ def _grid_walk(
         tl.minimum(qz - (lo_z + cz * size), lo_z + (cz + 1) * size - qz),
     )
     inside = tl.maximum(inside, 0.0)
-    best_d, best_i = _cube(
+    best_d, best_i = cube(
         qx, qy, qz, q_in, cx, cy, cz, r_ptr, start_ptr, G, empty, best_i, cols, 1, 16
     )
     bound = size + inside
     done = tl.max((q_in & (tl.max(best_d, axis=1) > bound * bound)).to(tl.int32)) == 0
     if not done:  # again, from empty lists, with the larger cube
-        best_d, best_i = _cube(
+        best_d, best_i = cube(
             qx, qy, qz, q_in, cx, cy, cz, r_ptr, start_ptr, G, empty,
             tl.zeros_like(best_i), cols, 2, 32,
         )  # fmt: skip
@@ -222,7 +227,7 @@ def _nearest(
     best_d = empty
     best_i = tl.full((BLOCK_Q, KP), 0, tl.int32)
     if GRID:
-        best_d, best_i, done = _grid_walk(
+        best_d, best_i, done = grid_walk(
             qx, qy, qz, q_in, r_ptr, start_ptr, lo_ptr, hi_ptr, G, empty, best_i, cols
         )
         if not done:  # a sparse or clustered cloud: start again, by brute force

@@ -2,17 +2,19 @@
 
 ``torch.library.triton_op`` registers a Python function that launches Triton kernels
 through ``torch.library.wrap_triton``: in eager mode it runs as written; under
-``torch.compile`` inductor traces into it and sees the kernel launch itself, so no fake
-implementation is written by hand. ``register_kernel("cpu")`` gives the operator a CPU
-implementation, the brute force; the tests run the kernels themselves on CPU tensors
-through Triton's interpreter (``TRITON_INTERPRET=1``) by calling the launchers below.
+``torch.compile`` inductor traces into it and sees the kernel launch itself, so a
+fake implementation is optional (the search registers a small one).
+``register_kernel("cpu")`` gives the operator a CPU implementation, the brute force;
+the tests run the kernels themselves on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``) by calling the launchers :func:`launch_knn` and
+:func:`launch_knn_aggregate`.
 """
 
 # No ``from __future__ import annotations``: torch.library reads the annotations as
 # types.
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
 from ..checks import check_knn, check_knn_aggregate
@@ -28,10 +30,16 @@ from .kernels import (
 )
 
 __all__ = [
+    "launch_knn",
     "search",
     "knn_op",
+    "knn_cpu",
+    "knn_fake",
+    "launch_knn_aggregate",
     "knn_aggregate_fwd_op",
     "knn_aggregate_bwd_op",
+    "knn_aggregate_setup_context",
+    "knn_aggregate_backward",
     "knn_aggregate",
     "gather",
 ]
@@ -53,8 +61,11 @@ def _search_args(p_query, p_ref, grid, cells):
     return (query, g.order, g.ref, g.ref_index), (g.start, g.lo, g.hi, g.cells)
 
 
-def _launch(p_query, p_ref, k, grid=True, cells=None):
-    """The search kernel: by the grid walk, or by brute force."""
+def launch_knn(p_query, p_ref, k, grid=True, cells=None):
+    """The search kernel through ``wrap_triton``, by the grid walk or by brute force
+    (chapter 8): distances ``(M, k)`` float32 ascending and indices ``(M, k)`` int64,
+    for float32 clouds ``(M, 3)`` and ``(N, 3)``, not checked. ``wrap_triton`` lets
+    the compiler trace the launch inside :func:`knn_op`."""
     m, n = p_query.shape[0], p_ref.shape[0]
     distances = p_query.new_empty((m, k))
     indices = p_query.new_empty((m, k), dtype=torch.int64)
@@ -95,7 +106,7 @@ def search(p_query, p_ref, k, autotuned=False):
     return distances, indices
 
 
-@triton_op("triton_knn::knn", mutates_args=())
+@torch.library.triton_op("triton_knn::knn", mutates_args=())
 def knn_op(
     p_query: torch.Tensor, p_ref: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,17 +126,19 @@ def knn_op(
         # What the compiler traces for CPU tensors (eager CPU calls take the kernel
         # registered below): Triton compiles for GPUs only.
         return brute_force_knn(p_query, p_ref, k)
-    return _launch(p_query, p_ref, k)
+    return launch_knn(p_query, p_ref, k)
 
 
 @knn_op.register_kernel("cpu")
-def _knn_cpu(p_query, p_ref, k):
+def knn_cpu(p_query, p_ref, k):
+    """The operator on CPU tensors: the brute force (chapter 8)."""
     k = check_knn(p_query, p_ref, k)
     return brute_force_knn(p_query, p_ref, k)
 
 
 @knn_op.register_fake
-def _knn_fake(p_query, p_ref, k):
+def knn_fake(p_query, p_ref, k):
+    """Empty outputs of the right shapes, after the metadata checks (chapter 8)."""
     k = check_knn(p_query, p_ref, k, values=False)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
@@ -143,32 +156,10 @@ def _softmax_weights(distances: torch.Tensor, sigma: float) -> torch.Tensor:
     return torch.softmax(shifted / sigma, dim=1)
 
 
-@triton_op("triton_knn::knn_aggregate_fwd", mutates_args=())
-def knn_aggregate_fwd_op(
-    p_query: torch.Tensor,
-    p_ref: torch.Tensor,
-    feats: torch.Tensor,
-    k: int,
-    sigma: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused search, softmax and gather by one Triton kernel.
-
-    Returns:
-        ``out`` ``(M, F)`` float32; and for the backward the weights ``(M, k)`` float32
-        and indices ``(M, k)`` int64 of each query's neighbours (in no particular
-        order).
-    """
-    k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
-    if p_query.device.type != "cuda":  # traced for CPU tensors, as knn_op
-        distances, indices = brute_force_knn(p_query, p_ref, k)
-        weights = _softmax_weights(distances, sigma)
-        out = (weights[:, :, None] * feats[indices]).sum(dim=1)
-        return out, weights, indices
-    return _launch_aggregate(p_query, p_ref, feats, k, sigma)
-
-
-def _launch_aggregate(p_query, p_ref, feats, k, sigma, grid=True, cells=None):
-    """The fused kernel, by the grid walk or by brute force."""
+def launch_knn_aggregate(p_query, p_ref, feats, k, sigma, grid=True, cells=None):
+    """The fused kernel through ``wrap_triton``, by the grid walk or by brute force
+    (chapter 8): ``out`` ``(M, F)``, weights ``(M, k)`` float32 and indices ``(M, k)``
+    int64, for float32 clouds and features ``(N, F)``, not checked."""
     m, n, f = p_query.shape[0], p_ref.shape[0], feats.shape[1]
     out = p_query.new_empty((m, f))
     weights = p_query.new_empty((m, k))
@@ -196,7 +187,31 @@ def _launch_aggregate(p_query, p_ref, feats, k, sigma, grid=True, cells=None):
     return out, weights, indices
 
 
-@triton_op("triton_knn::knn_aggregate_bwd", mutates_args=())
+@torch.library.triton_op("triton_knn::knn_aggregate_fwd", mutates_args=())
+def knn_aggregate_fwd_op(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    k: int,
+    sigma: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused search, softmax and gather by one Triton kernel.
+
+    Returns:
+        ``out`` ``(M, F)`` float32; and for the backward the weights ``(M, k)`` float32
+        and indices ``(M, k)`` int64 of each query's neighbours (in no particular
+        order).
+    """
+    k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
+    if p_query.device.type != "cuda":  # traced for CPU tensors, as knn_op
+        distances, indices = brute_force_knn(p_query, p_ref, k)
+        weights = _softmax_weights(distances, sigma)
+        out = (weights[:, :, None] * feats[indices]).sum(dim=1)
+        return out, weights, indices
+    return launch_knn_aggregate(p_query, p_ref, feats, k, sigma)
+
+
+@torch.library.triton_op("triton_knn::knn_aggregate_bwd", mutates_args=())
 def knn_aggregate_bwd_op(
     grad_out: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, n_ref: int
 ) -> torch.Tensor:
@@ -222,14 +237,16 @@ def knn_aggregate_bwd_op(
     return grad
 
 
-def _setup_context(ctx, inputs, output):
+def knn_aggregate_setup_context(ctx, inputs, output):
+    """Keeps what the backward needs: the weights and indices (chapter 8)."""
     _, p_ref, _, _, _ = inputs
     _, weights, indices = output
     ctx.save_for_backward(weights, indices)
     ctx.n_ref = p_ref.shape[0]
 
 
-def _backward(ctx, grad_out, _grad_weights, _grad_indices):
+def knn_aggregate_backward(ctx, grad_out, _grad_weights, _grad_indices):
+    """The gradient of the features by the scatter; none for the clouds (chapter 8)."""
     weights, indices = ctx.saved_tensors
     grad_feats = None
     if ctx.needs_input_grad[2]:
@@ -239,7 +256,9 @@ def _backward(ctx, grad_out, _grad_weights, _grad_indices):
     return None, None, grad_feats, None, None
 
 
-knn_aggregate_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+knn_aggregate_fwd_op.register_autograd(
+    knn_aggregate_backward, setup_context=knn_aggregate_setup_context
+)
 
 
 def knn_aggregate(p_query, p_ref, feats, k, sigma):

@@ -469,13 +469,13 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
 }
 
 // The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
-// at a time, and every point within the radius (found by a ballot, taken in turn) is
-// handed to all 32 lanes at once, as visit(row, weight).
-template <typename Visit>
-__device__ void for_neighbours_warp(const float* qp, const Point4* ref,
-                                    const int32_t* start, const GridParams& g,
-                                    float radius, float inv_sigma, int lane,
-                                    Visit&& visit) {
+// at a time and call chunk(found, row, weight, inside) for each 32: found is the ballot
+// of the lanes whose point lies within the radius (the same in every lane), row and
+// weight the lane's own point's (weight 0 outside the radius or past the run).
+template <typename Chunk>
+__device__ void for_chunks_warp(const float* qp, const Point4* ref, const int32_t* start,
+                                const GridParams& g, float radius, float inv_sigma,
+                                int lane, Chunk&& chunk) {
   Box b;
   if (!box_of(qp, radius, g, b)) return;  // the same for the whole warp
   for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
@@ -495,15 +495,27 @@ __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
           w = inside ? expf(-d * inv_sigma) : 0.0f;
           index = p.index;
         }
-        for (unsigned found = __ballot_sync(0xffffffffu, inside); found;
-             found &= found - 1) {
-          const int src = __ffs(found) - 1;
-          visit((int64_t)__shfl_sync(0xffffffffu, index, src),
-                __shfl_sync(0xffffffffu, w, src));
-        }
+        chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
       }
     }
   }
+}
+
+// Every point within the radius (found by the walk's ballot, taken in turn) handed to
+// all 32 lanes at once, as visit(row, weight).
+template <typename Visit>
+__device__ void for_neighbours_warp(const float* qp, const Point4* ref,
+                                    const int32_t* start, const GridParams& g,
+                                    float radius, float inv_sigma, int lane,
+                                    Visit&& visit) {
+  for_chunks_warp(qp, ref, start, g, radius, inv_sigma, lane,
+                  [&](unsigned found, int32_t index, float w, bool) {
+                    for (; found; found &= found - 1u) {
+                      const int src = __ffs(found) - 1;
+                      visit((int64_t)__shfl_sync(0xffffffffu, index, src),
+                            __shfl_sync(0xffffffffu, w, src));
+                    }
+                  });
 }
 
 // Points in the box query +- radius, from the runs' starts alone: a query's work.
@@ -595,47 +607,30 @@ __global__ void __launch_bounds__(kThreads)
        i += warps) {
     const int64_t row = dense[1 + i];
     const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-    Box b;
-    box_of(qp, radius, g, b);
     acc_t acc = 0, own[32];
 #pragma unroll
     for (int c = 0; c < 32; ++c) own[c] = 0;
     float total = 0.0f, own_total = 0.0f;
-    for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
-      for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
-        const int64_t column = (x * g.dims[1] + y) * g.dims[2];
-        const int32_t end = start[column + b.hi[2] + 1];
-        for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
-          const int32_t j = j0 + lane;
-          float w = 0.0f;
-          int32_t index = 0;
-          if (j < end) {
-            const Point4 p = load_point(ref, j);
-            const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
-            const float d = sqrtf(dx * dx + dy * dy + dz * dz);
-            w = d <= radius ? expf(-d * inv_sigma) : 0.0f;
-            index = p.index;
-          }
-          const unsigned found = __ballot_sync(0xffffffffu, w > 0.0f);
-          if (__popc(found) > kDenseChunk) {
+    for_chunks_warp(
+        qp, ref, start, g, radius, inv_sigma, lane,
+        [&](unsigned found, int32_t index, float w, bool inside) {
+          if (__popc(found) > kDenseChunk) {  // each lane adds its own point's row
             own_total += w;
             const scalar_t* x_row = feats + (int64_t)index * f;
 #pragma unroll
             for (int c = 0; c < 32; ++c) {
-              if (w > 0.0f && c < f) own[c] += (acc_t)w * (acc_t)x_row[c];
+              if (inside && c < f) own[c] += (acc_t)w * (acc_t)x_row[c];
             }
-            continue;
+            return;
           }
-          for (unsigned left = found; left; left &= left - 1u) {
+          for (unsigned left = found; left; left &= left - 1u) {  // in turn
             const int src = __ffs(left) - 1;
             const int64_t rj = __shfl_sync(0xffffffffu, index, src);
             const float wj = __shfl_sync(0xffffffffu, w, src);
             total += wj;
             if (lane < f) acc += (acc_t)wj * (acc_t)feats[rj * f + lane];
           }
-        }
-      }
-    }
+        });
     total += warp_sum(own_total);
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
