@@ -160,3 +160,68 @@ def test_the_radius_method_aggregates_like_the_backend():
     feats = torch.randn(500, 25, generator=torch.Generator().manual_seed(0))
     want = extkernels.radius_aggregate(w.p_query, w.p_ref, feats, 0.1, 0.1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_chapters_quotes_read_the_tables_in_plain_python():
+    from extkernels.experiments import geometry_report
+
+    grid_small = [
+        {"geometry": g, "n": 100_000, "method": "fused-grid", "run": 0, "ms": 0.05}
+        for g in clouds.GEOMETRIES
+    ]
+    t = geometry.table(_runs() + grid_small)
+    q = geometry_report.tree_quotes(t, geometry.targets(t))
+    assert q["normal_tree_ms"] == pytest.approx(0.1)
+    assert q["normal_grid_ms"] == pytest.approx(0.05)
+    assert q["tree_max_large_cloud"] == "shell"
+    assert q["tree_max_large"] == pytest.approx(6.0)
+    assert q["tree_missed"] == "shell"
+    assert q["tree_min_x_cuml"] == pytest.approx(20 / 6, abs=1e-3)
+    assert all(type(v) in (float, str) for v in q.values())
+    grid = [
+        {"geometry": g, "n": 1_000_000, "method": m, "run": 0, "ms": ms}
+        for g in clouds.GEOMETRIES
+        for m, ms in (("fused-grid", 100.0 if g == "panda" else 0.5), ("cuml", 25.0))
+    ]
+    cliff = geometry_report.cliff_quotes(geometry.table(grid))
+    assert cliff["grid_worst"] == "panda" and cliff["grid_worst_x_normal"] == 200.0
+    assert cliff["grid_worst_x_cuml"] == pytest.approx(4.0)
+
+
+def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
+    from extkernels.experiments import geometry_report
+
+    radius = pd.DataFrame(
+        {"fused-radius / normal": [1.0, 1.5], "<= 2x normal": [True, True]},
+        index=["normal", "clusters"],
+    )
+    q = geometry_report.radius_quotes(radius)
+    assert q == {
+        "radius_slow": "none",
+        "radius_worst": 1.5,
+        "radius_worst_cloud": "clusters",
+    }
+    props = pd.DataFrame(
+        {"waits": [False, True, True], "captures": [True, False, False]},
+        index=["fused", "cuml", "cuvs"],
+    )
+    assert geometry_report.traits_quotes(props) == {
+        "methods_waiting": "cuml, cuvs",
+        "methods_capturing": "fused",
+    }
+
+
+def test_mesh_quotes_take_the_worst_ratio_of_the_tree_on_a_mesh():
+    from extkernels.experiments import geometry_report
+
+    rows = [
+        ("knn/fused+graphs", "normal", 1.0, 1.0),
+        ("knn/fused+graphs", "panda", 1.3, 1.1),
+        ("radius/fused+graphs", "normal", 1.0, 1.0),
+        ("radius/fused+graphs", "panda", 1.7, 1.2),
+    ]
+    on_clouds = pd.DataFrame(
+        rows, columns=["variant", "cloud", "forward / normal", "train / normal"]
+    ).set_index(["variant", "cloud"])
+    q = geometry_report.mesh_quotes(on_clouds)
+    assert q == {"mesh_worst": 1.3, "radius_mesh_fwd": 1.7, "radius_mesh_train": 1.2}

@@ -84,3 +84,116 @@ def test_the_sweeps_read_by_size_compare_and_say_where_a_backend_pays():
     assert pay.loc["grid", "kNN vs N"] == "100,000"
     assert pay.loc["fused", "kNN vs N"] == "always"
     assert "torch" not in pay.index
+
+
+def _sweeps():
+    # two sizes per sweep; torch runs out of memory at the larger N of kNN
+    def sweep(sizes, x, times):
+        rows = []
+        for backend, ms in times.items():
+            for size, t in zip(sizes, ms, strict=True):
+                n_ref, n_query = (size, 27) if x == "n_ref" else (100, size)
+                ok = t == t
+                rows.append(
+                    {
+                        "backend": backend,
+                        "n_ref": n_ref,
+                        "n_query": n_query,
+                        "ms": t,
+                        "min": 0.9 * t,
+                        "max": 1.1 * t,
+                        "peak MiB": 10.0 * n_ref / 100 if ok else math.nan,
+                        "status": "ok" if ok else "out of memory",
+                    }
+                )
+        return pd.DataFrame(rows)
+
+    nan = math.nan
+    return {
+        ("kNN", "N"): sweep(
+            [100, 1000],
+            "n_ref",
+            {"torch": [1.0, nan], "fused": [0.1, 0.2], "cuml": [2.0, 4.0]},
+        ),
+        ("radius", "N"): sweep(
+            [100, 1000], "n_ref", {"torch": [1.0, 9.0], "fused": [0.1, 0.3]}
+        ),
+        ("kNN", "M"): sweep(
+            [8, 64],
+            "n_query",
+            {"torch": [1.0, 5.0], "cpp": [0.5, 1.0], "fused": [0.4, 2.0]},
+        ),
+        ("radius", "M"): sweep(
+            [8, 64], "n_query", {"torch": [1.0, 2.0], "fused": [0.1, 0.2]}
+        ),
+    }
+
+
+def _measured(sweeps):
+    return pd.concat(sweeps, names=["workload", "against"]).droplevel(-1)
+
+
+def test_size_quotes_read_the_largest_sizes_and_skip_backends_not_swept():
+    q = scaling.size_quotes(_sweeps())
+    assert q["n_big"] == "1,000" and q["m_big"] == "64"
+    assert q["fused_knn_n_big"] == pytest.approx(0.2)
+    assert q["cpp_knn_m_big"] == pytest.approx(1.0)
+    assert q["cpp_vs_fused_m_big"] == "faster than"
+    assert q["cuml_over_fused_n_big"] == pytest.approx(20.0)
+    assert "warp_radius_n_big" not in q  # warp was not swept
+    assert all(type(v) in (float, str) for v in q.values())
+
+
+def test_the_time_table_has_a_row_per_size_and_a_column_per_backend_in_order():
+    t = scaling.time_table(_measured(_sweeps()))
+    assert list(t.columns) == ["torch", "fused", "cuml", "cpp"]
+    assert t.loc[("kNN", "M", 64), "cpp"] == pytest.approx(1.0)
+    assert t.loc[("radius", "N", 1000), "torch"] == pytest.approx(9.0)
+    assert math.isnan(t.loc[("kNN", "N", 1000), "torch"])
+
+
+def test_stops_name_the_sizes_in_words_and_quote_the_brute_force():
+    stopped = scaling.stops(_measured(_sweeps()))
+    assert list(stopped.columns) == [
+        "workload",
+        "against",
+        "backend",
+        "points N",
+        "queries M",
+        "status",
+    ]
+    assert len(stopped) == 1 and stopped.iloc[0]["status"] == "out of memory"
+    assert scaling.stop_quotes(stopped) == {"torch_stop_knn_N": "1,000"}
+
+
+def test_memory_table_is_against_points_in_words():
+    table = scaling.memory_table(_measured(_sweeps()))
+    assert table.index.names == ["workload", "points N"]
+    assert table.loc[("kNN", 1000), "fused"] == 100.0
+    assert math.isnan(table.loc[("kNN", 1000), "torch"])  # ran out of memory
+
+
+def test_slope_and_variant_quotes_use_the_names_the_prose_reads():
+    slopes = pd.DataFrame({"kNN vs N": {"torch": 0.9, "warp": math.nan}})
+    assert scaling.slope_quotes(slopes) == {"slope_knn_vs_N_torch": 0.9}
+    part = pd.DataFrame(
+        {"train_ms": [0.1, 0.5, 2.0], "forward_ms": [0.05, 0.3, 1.0]},
+        index=["knn/floor", "knn/fused", "knn/torch"],
+    )
+    q = scaling.variant_quotes({"kNN projector": part})
+    assert q["knn_best"] == "knn/fused"  # the floor aggregates nothing
+    assert q["knn_best_train"] == 0.5 and q["knn_worst_train"] == 2.0
+    assert q["knn_best_fwd"] == 0.3 and q["knn_n_variants"] == 3
+
+
+def test_the_panels_label_their_axes_in_words():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sweeps = _sweeps()
+    fig = scaling.sweep_panels(sweeps, hardware="CPU")
+    labels = [ax.get_xlabel() for ax in fig.axes]
+    assert labels == ["points N", "points N", "queries M", "queries M"]
+    fig = scaling.memory_panels(_measured(sweeps), hardware="CPU")
+    assert [ax.get_xlabel() for ax in fig.axes] == ["points N", "points N"]
+    assert scaling.size_column("M") == "n_query"

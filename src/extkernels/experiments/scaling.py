@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
@@ -17,9 +18,31 @@ import torch
 from ..data import features, query_grid, reference_cloud
 from ..ops import knn_aggregate, radius_aggregate
 from ..ops.checks import value_checks
+from ..plotting import scaling_plot
 from ..timing import peak_memory_mb, ranked, time_blocks, time_fn
 
-__all__ = ["sweep", "slopes", "crossover", "value_at", "compare_at", "pays_from"]
+__all__ = [
+    "AXES",
+    "compare_at",
+    "crossover",
+    "memory_panels",
+    "memory_table",
+    "pays_from",
+    "size_column",
+    "size_quotes",
+    "slope_quotes",
+    "slopes",
+    "stop_quotes",
+    "stops",
+    "sweep",
+    "sweep_panels",
+    "time_table",
+    "value_at",
+    "variant_quotes",
+]
+
+#: The sweep tables' size columns, in the words a reader sees on the page.
+AXES = {"n_ref": "points N", "n_query": "queries M"}
 
 
 def _call(op: str, backend: str, p_query, p_ref, feats, *, k, sigma, radius):
@@ -139,7 +162,9 @@ def crossover(df: pd.DataFrame, a: str, b: str, x: str, y: str = "ms") -> float:
     return float(found)
 
 
-def _x(against: str) -> str:
+def size_column(against: str) -> str:
+    """The sweep table's column that a sweep ``against`` ``"N"`` (reference points) or
+    ``"M"`` (queries) varies (chapter 12): ``n_ref`` or ``n_query``."""
     return "n_ref" if against == "N" else "n_query"
 
 
@@ -149,7 +174,7 @@ def value_at(
     """One measurement of the sweeps (``{(workload, against): sweep table}``): the
     ``column`` (``ms``, ``min`` or ``max``) of ``backend`` at ``size``."""
     df = sweeps[(workload, against)]
-    row = df[(df[_x(against)] == size) & (df["backend"] == backend)]
+    row = df[(df[size_column(against)] == size) & (df["backend"] == backend)]
     return float(row[column].iloc[0])
 
 
@@ -171,7 +196,7 @@ def pays_from(sweeps: dict, baseline: str = "torch") -> pd.DataFrame:
     where the backend was not swept."""
     columns = {}
     for (workload, against), df in sweeps.items():
-        x, smallest = _x(against), df[_x(against)].min()
+        x, smallest = size_column(against), df[size_column(against)].min()
         out = {}
         for backend in df["backend"].unique():
             if backend == baseline:
@@ -182,3 +207,160 @@ def pays_from(sweeps: dict, baseline: str = "torch") -> pd.DataFrame:
             )
         columns[f"{workload} vs {against}"] = pd.Series(out)
     return pd.DataFrame(columns).fillna("")
+
+
+# ---- what chapter 12 shows and quotes ---------------------------------------------
+
+
+def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | str]:
+    """The numbers chapter 12 quotes from the benchmark's table of every variant:
+    ``parts`` maps ``"kNN projector"`` and ``"radius projector"`` to their rows sorted
+    by ``train_ms``. For each workload (``knn_*``, ``radius_*``): the fastest exact
+    variant (the floors aggregate nothing), its training step, the fastest forward, the
+    slowest training step and the number of variants."""
+    out = {}
+    for workload, part in parts.items():
+        exact = part[~part.index.str.contains("floor")]
+        key = "knn" if workload.startswith("kNN") else "radius"
+        out[f"{key}_best"] = exact.index[0]
+        out[f"{key}_best_train"] = float(exact["train_ms"].iloc[0])
+        out[f"{key}_best_fwd"] = float(exact["forward_ms"].min())
+        out[f"{key}_worst_train"] = float(exact["train_ms"].iloc[-1])
+        out[f"{key}_n_variants"] = len(part)
+    return out
+
+
+def size_quotes(sweeps: dict) -> dict[str, float | str]:
+    """The numbers chapter 12 quotes at the largest sizes swept: the largest N and M
+    (as text with thousands separators), the fused and C++ searches' milliseconds
+    there, C++ against fused in words (:func:`compare_at`), Warp's radius time and
+    cuML's time over the fused search's, where those backends were swept."""
+    n_big = int(sweeps[("kNN", "N")]["n_ref"].max())
+    m_big = int(sweeps[("kNN", "M")]["n_query"].max())
+    out = {"n_big": f"{n_big:,}", "m_big": f"{m_big:,}"}
+    out["fused_knn_n_big"] = value_at(sweeps, "kNN", "N", n_big, "fused")
+    out["fused_radius_n_big"] = value_at(sweeps, "radius", "N", n_big, "fused")
+    out["cpp_knn_m_big"] = value_at(sweeps, "kNN", "M", m_big, "cpp")
+    out["fused_knn_m_big"] = value_at(sweeps, "kNN", "M", m_big, "fused")
+    out["cpp_vs_fused_m_big"] = compare_at(sweeps, "kNN", "M", m_big, "cpp", "fused")
+    if "warp" in set(sweeps[("radius", "N")]["backend"]):
+        out["warp_radius_n_big"] = value_at(sweeps, "radius", "N", n_big, "warp")
+    if "cuml" in set(sweeps[("kNN", "N")]["backend"]):
+        cuml = value_at(sweeps, "kNN", "N", n_big, "cuml")
+        out["cuml_over_fused_n_big"] = cuml / value_at(
+            sweeps, "kNN", "N", n_big, "fused"
+        )
+    return out
+
+
+def time_table(measured: pd.DataFrame) -> pd.DataFrame:
+    """Chapter 12's table of every sweep (``measured``: the sweeps concatenated under
+    the index levels ``workload`` and ``against``): ms per call, a row per (workload,
+    against, size), a column per backend in the order they were swept."""
+    times = measured.reset_index()
+    times["size"] = times["n_ref"].where(times["against"] == "N", times["n_query"])
+    backends = list(dict.fromkeys(times["backend"]))
+    return times.pivot_table(
+        index=["workload", "against", "size"], columns="backend", values="ms"
+    )[backends]
+
+
+def slope_quotes(slopes: pd.DataFrame) -> dict[str, float]:
+    """Chapter 12's slopes (a column per ``"<workload> vs <N or M>"``, a row per
+    backend) under the names the prose quotes: ``slope_knn_vs_N_torch`` and so on."""
+    out = {}
+    for column in slopes:
+        for backend, value in slopes[column].dropna().items():
+            key = column.replace(" ", "_").replace("kNN", "knn")
+            out[f"slope_{key}_{backend}"] = float(value)
+    return out
+
+
+def sweep_panels(sweeps: dict, *, hardware: str):
+    """Chapter 12's four panels: ms per call of each backend against N and against M,
+    for each workload, on log-log axes (the sizes measured, ``status == "ok"``).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
+    for ax, ((workload, against), df) in zip(axes.flat, sweeps.items(), strict=True):
+        fixed = (
+            f"{df['n_query'].iloc[0]:,} queries"
+            if against == "N"
+            else f"{df['n_ref'].iloc[0]:,} points"
+        )
+        scaling_plot(
+            df[df["status"] == "ok"].rename(columns=AXES),
+            x=AXES[size_column(against)],
+            y="ms",
+            by="backend",
+            title=f"{workload} aggregation against {against} ({fixed})",
+            hardware=hardware,
+            ylabel="ms per call",
+            ax=ax,
+        )
+    return fig
+
+
+def _memory(measured: pd.DataFrame) -> pd.DataFrame:
+    memory = measured.reset_index()
+    memory = memory[(memory["against"] == "N") & (memory["status"] == "ok")]
+    return memory.rename(columns=AXES)
+
+
+def memory_panels(measured: pd.DataFrame, *, hardware: str):
+    """Chapter 12's peak memory of each backend against N, a panel per workload
+    (``measured``: the sweeps concatenated, as for :func:`time_table`).
+
+    Returns:
+        The matplotlib figure.
+    """
+    memory = _memory(measured)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, workload in zip(axes, ("kNN", "radius"), strict=True):
+        scaling_plot(
+            memory[memory["workload"] == workload],
+            x="points N",
+            y="peak MiB",
+            by="backend",
+            title=f"{workload}: peak memory against N",
+            hardware=hardware,
+            ylabel="peak MiB",
+            ax=ax,
+        )
+    return fig
+
+
+def memory_table(measured: pd.DataFrame) -> pd.DataFrame:
+    """Chapter 12's peak MiB against N: a row per (workload, points N), a column per
+    backend, rounded to whole MiB."""
+    return (
+        _memory(measured)
+        .pivot_table(
+            index=["workload", "points N"], columns="backend", values="peak MiB"
+        )
+        .round(0)
+    )
+
+
+def stops(measured: pd.DataFrame) -> pd.DataFrame:
+    """Where a curve of chapter 12's sweeps stopped: the rows whose status is neither
+    ``ok`` nor ``not run``, with the workload, the sweep, the backend, the sizes
+    (``points N``, ``queries M``) and why."""
+    out = measured[~measured["status"].isin(["ok"])].reset_index()
+    out = out[~out["status"].str.startswith("not run")]
+    out = out[["workload", "against", "backend", "n_ref", "n_query", "status"]]
+    return out.rename(columns=AXES)
+
+
+def stop_quotes(stopped: pd.DataFrame, baseline: str = "torch") -> dict[str, str]:
+    """The sizes at which ``baseline``'s curves stopped (:func:`stops`), as text with
+    thousands separators, under the names chapter 12 quotes:
+    ``torch_stop_knn_N`` and so on."""
+    out = {}
+    for _, row in stopped[stopped["backend"] == baseline].iterrows():
+        key = f"{baseline}_stop_{row['workload'].lower()}_{row['against']}"
+        size = row["points N"] if row["against"] == "N" else row["queries M"]
+        out[key] = f"{size:,}"
+    return out

@@ -1,0 +1,98 @@
+"""The numbers chapter 14 quotes from the geometry command's tables
+(:mod:`extkernels.experiments.geometry`), the benchmark on other clouds and the traits
+of each search (:mod:`extkernels.experiments.traits`): each function returns
+``{glue name: value}``, values plain Python (``float``, ``str``), for the chapter's
+hidden glue cells.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..results import at_size
+
+__all__ = [
+    "cliff_quotes",
+    "mesh_quotes",
+    "radius_quotes",
+    "traits_quotes",
+    "tree_quotes",
+]
+
+
+def _names(index) -> str:
+    return ", ".join(index) if len(index) else "none"
+
+
+def cliff_quotes(times: pd.DataFrame, n: int = 1_000_000) -> dict[str, float | str]:
+    """The cliff of chapter 14 at ``n`` points: the fused grid's ms on the book's
+    cloud, its slowest cloud and ms there, and its worst ratios to cuML's and to its
+    own time on the book's cloud (``times``:
+    :func:`~extkernels.experiments.geometry.table`)."""
+    cliff = at_size(times, n, ["fused-grid", "cuml"])
+    grid, normal = cliff["fused-grid"], float(cliff.loc["normal", "fused-grid"])
+    return {
+        "grid_normal_ms": normal,
+        "grid_worst": grid.idxmax(),
+        "grid_worst_ms": float(grid.max()),
+        "grid_worst_x_cuml": float((grid / cliff["cuml"]).max()),
+        "grid_worst_x_normal": float(grid.max() / normal),
+    }
+
+
+def tree_quotes(times: pd.DataFrame, goals: pd.DataFrame) -> dict[str, float | str]:
+    """The tree's numbers in chapter 14 (``goals``:
+    :func:`~extkernels.experiments.geometry.targets` of ``times``): its slowest cloud
+    and ms at 10^5 and 10^6 points, its range of speedups over cuML, the tree and the
+    grid on the book's cloud at 10^5, and the clouds where it misses a goal."""
+    small = at_size(times, 100_000, ["fused", "fused-grid"]).loc["normal"]
+    missed = goals.index[~goals[["<= 0.5 ms", "<= 2 ms", ">= 10x"]].all(axis=1)]
+    return {
+        "tree_max_small": float(goals["ms at 10^5"].max()),
+        "tree_max_small_cloud": goals["ms at 10^5"].idxmax(),
+        "tree_max_large": float(goals["ms at 10^6"].max()),
+        "tree_max_large_cloud": goals["ms at 10^6"].idxmax(),
+        "tree_min_x_cuml": float(goals["x cuml at 10^6"].min()),
+        "tree_max_x_cuml": float(goals["x cuml at 10^6"].max()),
+        "normal_tree_ms": float(small["fused"]),
+        "normal_grid_ms": float(small["fused-grid"]),
+        "tree_missed": _names(missed),
+    }
+
+
+def radius_quotes(radius: pd.DataFrame) -> dict[str, float | str]:
+    """The radius walk's numbers in chapter 14 (``radius``:
+    :func:`~extkernels.experiments.geometry.radius_targets`): the clouds where it takes
+    more than twice its time on the book's cloud, and its slowest ratio and cloud."""
+    ratio = radius["fused-radius / normal"]
+    return {
+        "radius_slow": _names(radius.index[~radius["<= 2x normal"]]),
+        "radius_worst": float(ratio.max()),
+        "radius_worst_cloud": ratio.idxmax(),
+    }
+
+
+def mesh_quotes(on_clouds: pd.DataFrame) -> dict[str, float]:
+    """The projectors on a CAD mesh in chapter 14 (``on_clouds``:
+    :func:`~extkernels.results.clouds_table`): the tree's worst ratio to the book's
+    cloud, forward or training step, and the radius projector's ratios on the Panda
+    mesh."""
+    knn_ratios = on_clouds.xs("knn/fused+graphs")[
+        ["forward / normal", "train / normal"]
+    ]
+    radius_mesh = on_clouds.xs("radius/fused+graphs").loc["panda"]
+    return {
+        "mesh_worst": float(knn_ratios.max().max()),
+        "radius_mesh_fwd": float(radius_mesh["forward / normal"]),
+        "radius_mesh_train": float(radius_mesh["train / normal"]),
+    }
+
+
+def traits_quotes(props: pd.DataFrame) -> dict[str, str]:
+    """The methods whose call makes the host wait and those captured in a CUDA graph
+    that replays correctly (chapter 14; ``props``: a row per method with the booleans
+    ``waits`` and ``captures``)."""
+    return {
+        "methods_waiting": _names(props.index[props["waits"]]),
+        "methods_capturing": ", ".join(props.index[props["captures"]]),
+    }
