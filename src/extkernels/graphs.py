@@ -32,7 +32,7 @@ import torch
 
 from .ops import capture
 from .ops.checks import value_checks
-from .training import make_train_step
+from .training import make_forward, make_train_step
 
 __all__ = ["CapturedStep", "captured_forward", "captured_train_step"]
 
@@ -89,11 +89,7 @@ def captured_forward(
     """The projector's forward pass under ``torch.no_grad()``, captured; returns ``(M,
     1)``."""
 
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(p_query, p_ref)
-
-    return CapturedStep(forward, warmup=warmup)
+    return CapturedStep(make_forward(model, p_query, p_ref), warmup=warmup)
 
 
 def captured_train_step(

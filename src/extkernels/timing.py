@@ -141,11 +141,7 @@ def time_projector(
         )
     else:
         step = make_train_step(model, params, p_query, p_ref, target)
-
-        def forward() -> torch.Tensor:
-            with torch.no_grad():
-                return model(p_query, p_ref)
-
+        forward = make_forward(model, p_query, p_ref)
         for _ in range(n_warmup):
             forward()
             step()
@@ -309,8 +305,4 @@ def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:
     """Peak memory of one forward pass under ``torch.no_grad()``, in MiB (NaN on the
     CPU)."""
 
-    def forward():
-        with torch.no_grad():
-            return model(p_query, p_ref)
-
-    return peak_memory_mb(forward, p_ref.device)
+    return peak_memory_mb(make_forward(model, p_query, p_ref), p_ref.device)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .. import data
 from ..ops import knn
 from ..problem import Problem
+from ..profiling import graphs_and_breaks
 from .launch import max_over_ranks
 from .ops import sharded_knn
 from .setups import ddp, make_setup, sharded_projector, single_projector
@@ -155,10 +156,10 @@ def compile_report(
 
     Returns:
         ``graphs`` and ``breaks`` of the bare :class:`~.ops.ShardedProjector`
-        (``torch._dynamo.explain``), the same of it wrapped in DDP (``ddp_graphs``,
-        ``ddp_breaks``), and ``ddp_fullgraph``: ``"compiles"``, or the explanation
-        (else the first line) of the error that ``torch.compile(DDP(...),
-        fullgraph=True)`` raises.
+        (:func:`~extkernels.profiling.graphs_and_breaks`), the same of it wrapped in
+        DDP (``ddp_graphs``, ``ddp_breaks``), and ``ddp_fullgraph``: ``"compiles"``,
+        or the explanation (else the first line) of the error that
+        ``torch.compile(DDP(...), fullgraph=True)`` raises.
     """
     n_ref = n_ref or prob.cloud_size(workload)
     # Dynamo's note that it ignores DDP's profiler ranges, once per rank and workload
@@ -166,9 +167,9 @@ def compile_report(
     module = sharded_projector(workload, n_ref, prob, backend).to(device)
     p_query = data.query_grid(prob.grid_side, device=device)
     p_ref = module.rows.of(data.reference_cloud(n_ref, seed=prob.seed)).to(device)
-    bare = torch._dynamo.explain(module)(p_query, p_ref)
+    bare = graphs_and_breaks(module, p_query, p_ref)
     torch._dynamo.reset()
-    wrapped = torch._dynamo.explain(ddp(module, device))(p_query, p_ref)
+    wrapped = graphs_and_breaks(ddp(module, device), p_query, p_ref)
     torch._dynamo.reset()
     try:
         torch.compile(ddp(module, device), fullgraph=True)(p_query, p_ref)
@@ -182,9 +183,9 @@ def compile_report(
     torch._dynamo.reset()
     return {
         "workload": workload,
-        "graphs": bare.graph_count,
-        "breaks": bare.graph_break_count,
-        "ddp_graphs": wrapped.graph_count,
-        "ddp_breaks": wrapped.graph_break_count,
+        "graphs": bare[0],
+        "breaks": bare[1],
+        "ddp_graphs": wrapped[0],
+        "ddp_breaks": wrapped[1],
         "ddp_fullgraph": whole,
     }

@@ -16,7 +16,7 @@ import torch
 from ..models import Projector, RadiusAggregation
 from ..problem import Problem
 from ..profiling import graphs_and_breaks, profile, top_kernels
-from ..timing import verdict
+from ..timing import make_forward, verdict
 
 __all__ = [
     "FORWARD_VARIANTS",
@@ -93,11 +93,7 @@ def host_profiles(
     """
     tables = {}
     for title, model in models.items():
-
-        def forward(model=model):
-            with torch.no_grad():
-                return model(p_query, p_ref)
-
+        forward = make_forward(model, p_query, p_ref)
         prof = profile(forward, device=device, n_iters=n_iters)
         tables[title] = top_kernels(prof, top=100, host=True)
     return tables
