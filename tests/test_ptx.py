@@ -372,9 +372,15 @@ def test_glue_of_the_call_costs_and_the_projector():
     )
     glued = ptx_tiers.call_costs_glue(costs)
     assert glued["kernel_object_us"] == 0.0 and glued["gather_device_us"] == 5.0
-    names = ["knn/cpp", "knn/ptx", "knn/cpp+graphs", "knn/ptx+graphs"]
-    table = pd.DataFrame({"forward_ms": [0.3, 0.6, 0.26, 0.26]}, index=names)
-    table["train_ms"] = [1.7, 2.2, 0.56, 0.56]
+    names = [
+        "knn/cpp",
+        "knn/ptx",
+        "knn/cpp+graphs",
+        "knn/ptx+graphs",
+        "knn/ptx+compile",
+    ]
+    table = pd.DataFrame({"forward_ms": [0.3, 0.6, 0.26, 0.26, 1.1]}, index=names)
+    table["train_ms"] = [1.7, 2.2, 0.56, 0.56, 2.21]
     for metric in ("forward", "train"):
         table[f"{metric}_min"] = table[f"{metric}_ms"] * 0.99
         table[f"{metric}_max"] = table[f"{metric}_ms"] * 1.01
@@ -382,3 +388,6 @@ def test_glue_of_the_call_costs_and_the_projector():
     assert words["ptx_eager_train_ms"] == 2.2
     assert words["ptx_vs_cpp_eager_forward"] == "slower than"
     assert words["ptx_vs_cpp_graphs_train"] == "within the run-to-run spread of"
+    assert words["ptx_compile_fwd_ms"] == 1.1
+    assert words["ptx_compile_vs_eager_forward"] == "slower than"
+    assert words["ptx_compile_vs_eager_train"] == "within the run-to-run spread of"
