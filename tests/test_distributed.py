@@ -1,6 +1,6 @@
 """The projector on several ranks (chapter 13): shard arithmetic, partial sums that add
-up to the aggregation, and 2 or 3 CPU processes over gloo against one process, forward
-and gradients."""
+up to the aggregation, and 2, 3 or 4 CPU processes over gloo against one process,
+forward and gradients."""
 
 import os
 import subprocess
@@ -193,6 +193,31 @@ def test_three_ranks_with_shards_smaller_than_k_match_one_process():
         assert within_float32(row["grad"], row["grad_scale"]), row.to_dict()
     knn_ref = df[(df["workload"] == "knn") & (df["layout"] == "reference")]
     assert knn_ref["same_neighbours"].tolist() == [True]
+
+
+@pytest.mark.slow
+def test_four_ranks_match_one_process_and_the_command_times_them():
+    # chapter 13's largest layout: every (workload, layout) on 4 gloo ranks against one
+    # process, then the scaling command's 4-rank path
+    df = checks(4, n_ref=400, grid_side=4, device="cpu")
+    assert len(df) == 4 and (df["world"] == 4).all()
+    for row in _rows(df):
+        assert within_float32(row["forward"], row["forward_scale"]), row.to_dict()
+        assert within_float32(row["grad"], row["grad_scale"]), row.to_dict()
+    knn_ref = df[(df["workload"] == "knn") & (df["layout"] == "reference")]
+    assert knn_ref["same_neighbours"].tolist() == [True]
+    result = bench(
+        4,
+        workloads=("radius",),
+        layouts=("queries",),
+        sizes=[400],
+        grid_side=4,
+        repeats=1,
+        blocks=1,
+        device="cpu",
+    )
+    assert sorted(r["world"] for r in result["runs"]) == [1, 4]
+    assert all(r["forward_ms"] > 0 and r["train_ms"] > 0 for r in result["runs"])
 
 
 @pytest.mark.slow
