@@ -253,16 +253,27 @@ def size_quotes(sweeps: dict) -> dict[str, float | str]:
     return out
 
 
-def time_table(measured: pd.DataFrame) -> pd.DataFrame:
+def time_table(measured: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     """Chapter 12's table of every sweep (``measured``: the sweeps concatenated under
-    the index levels ``workload`` and ``against``): ms per call, a row per (workload,
-    against, size), a column per backend in the order they were swept."""
+    the index levels ``workload`` and ``against``), as a reader reads it: a row per
+    (workload, against, size), a column per backend in the order they were swept; each
+    cell the ms per call to ``digits`` decimals, why the sweep stopped where it did (for
+    example ``"out of memory"``), or ``"–"`` where the backend does not run the
+    workload."""
     times = measured.reset_index()
     times["size"] = times["n_ref"].where(times["against"] == "N", times["n_query"])
+    times["cell"] = [
+        f"{ms:.{digits}f}" if status == "ok" else status
+        for ms, status in zip(times["ms"], times["status"], strict=True)
+    ]
     backends = list(dict.fromkeys(times["backend"]))
-    return times.pivot_table(
-        index=["workload", "against", "size"], columns="backend", values="ms"
+    table = times.pivot_table(
+        index=["workload", "against", "size"],
+        columns="backend",
+        values="cell",
+        aggfunc="first",
     )[backends]
+    return table.fillna("–").rename_axis(columns=None)
 
 
 def slope_quotes(slopes: pd.DataFrame) -> dict[str, float]:
