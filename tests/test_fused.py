@@ -67,6 +67,19 @@ def test_every_group_size_finds_chapter_9s_neighbours(k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_lanes_table_has_float_times_and_finds_the_same_neighbours():
+    from extkernels.experiments import whole_step
+
+    fused.prepare()
+    p_query, p_ref = _clouds("cuda")
+    feats = torch.randn(p_ref.shape[0], 8, device="cuda")
+    t = whole_step.lanes_table(p_query, p_ref, feats, 7, 0.1, (1, 4), n_iters=3)
+    assert [str(t[c].dtype) for c in ("ms", "min", "max")] == ["float64"] * 3
+    assert t["same neighbours"].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n_feats", [5, 40, 130])
 def test_both_radius_kernels_agree_forward_and_backward(n_feats):
     fused.prepare()

@@ -65,7 +65,7 @@ def lanes_table(p_query, p_ref, feats, k: int, sigma: float, lanes, n_iters=200)
             got = torch.ops.extkernels_fused.knn(p_query, p_ref, k, n, "grid")[0]
             rows[str(n)] = (*ms, bool(torch.equal(got, reference)))
     out = pd.DataFrame(rows, index=["ms", "min", "max", "same neighbours"]).T
-    return out.rename_axis("threads per query")
+    return out.infer_objects().rename_axis("threads per query")  # floats round
 
 
 def radius_kernels(p_query, p_ref, feats, radius: float, sigma: float, n_iters=200):
@@ -336,7 +336,7 @@ def changing_shapes(
             return bucket_graph()
 
         record(f"one graph, padded to {bucket:,}", n, replay_bucket, lambda: 1.0)
-    out = pd.DataFrame(rows).T
+    out = pd.DataFrame(rows).T.infer_objects()  # the columns' own types: floats round
     out.index.names = ["strategy", "points"]
     return out
 
