@@ -296,7 +296,26 @@ def test_the_benchmark_rows_keep_the_chapters_order_and_skip_missing_ones():
         "radius_fused_graphs_train": 0.5,
         "knn_floor_graphs_fwd": 0.1,
         "knn_floor_graphs_train": 0.3,
+        "radius_fused_graphs_outcome": "misses both targets",
     }
+
+
+def test_the_benchmark_quotes_say_which_targets_are_met_and_what_compiling_gains():
+    from extkernels.experiments import whole_step_report as report
+
+    names = ["knn/fused+graphs", "knn/fused+compile+graphs"]
+    bench = pd.DataFrame(
+        {"forward_ms": [0.19, 0.21], "train_ms": [0.48, 0.45]}, index=names
+    )
+    bench["train_min"], bench["train_max"] = [0.47, 0.44], [0.49, 0.46]
+    goals = dict.fromkeys(names, (0.20, 0.50))
+    quotes = report.benchmark_quotes(bench, goals)
+    assert quotes["knn_fused_graphs_outcome"] == "meets both targets"
+    assert quotes["knn_fused_compile_graphs_outcome"] == (
+        "meets the training target and misses the forward one"
+    )
+    assert quotes["knn_compile_in_graph_train"] == "faster than"
+    assert "radius_compile_in_graph_train" not in quotes
 
 
 def test_the_lanes_and_radius_quotes_read_the_right_rows():
@@ -407,3 +426,7 @@ def test_the_precision_and_reduce_overhead_quotes():
         "ro_whole_radius_ms": 1.5,
         "ro_whole_graphs": 3.0,
     }
+    by_hand = {"knn_compiled_graph_train": 0.7, "radius_compiled_graph_train": 0.5}
+    quotes = report.reduce_overhead_quotes(ro, by_hand)
+    assert quotes["ro_over_by_hand_knn"] == pytest.approx(2.0)
+    assert quotes["ro_over_by_hand_radius"] == pytest.approx(3.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..timing import ranked
+from ..timing import ranked, verdict
 
 __all__ = [
     "BENCHMARK_ROWS",
@@ -59,13 +59,36 @@ def benchmark_rows(bench: pd.DataFrame) -> pd.DataFrame:
 def benchmark_quotes(bench: pd.DataFrame, goals: dict) -> dict[str, float]:
     """``<variant>_fwd`` and ``<variant>_train`` (``/``, ``+`` and ``-`` of the name
     made ``_``), the medians of ``bench`` for every variant of ``goals`` and of
-    :data:`QUOTED_ROWS` that it holds (chapter 11)."""
+    :data:`QUOTED_ROWS` that it holds; ``<variant>_outcome``, which of its ``goals``
+    (forward ms, training ms) a variant meets, in words; and
+    ``<workload>_compile_in_graph_train``, the compiled model's training step in one
+    graph against the eager model's (:func:`~extkernels.timing.verdict`) (chapter
+    11)."""
     out = {}
     for name in [*goals, *QUOTED_ROWS]:
         if name in bench.index:
             out[f"{_key(name)}_fwd"] = float(bench.loc[name, "forward_ms"])
             out[f"{_key(name)}_train"] = float(bench.loc[name, "train_ms"])
+    for name, (fwd, train) in goals.items():
+        if name in bench.index:
+            row = bench.loc[name]
+            out[f"{_key(name)}_outcome"] = _outcome(
+                row["forward_ms"] <= fwd, row["train_ms"] <= train
+            )
+    for workload in ("knn", "radius"):
+        pair = [f"{workload}/fused+compile+graphs", f"{workload}/fused+graphs"]
+        if all(n in bench.index for n in pair) and "train_min" in bench:
+            out[f"{workload}_compile_in_graph_train"] = verdict(bench, *pair, "train")
     return out
+
+
+def _outcome(forward_met: bool, train_met: bool) -> str:
+    if forward_met and train_met:
+        return "meets both targets"
+    if not (forward_met or train_met):
+        return "misses both targets"
+    met, missed = ("forward", "training") if forward_met else ("training", "forward")
+    return f"meets the {met} target and misses the {missed} one"
 
 
 def lanes_quotes(lanes: pd.DataFrame) -> dict[str, float | str]:
@@ -120,15 +143,23 @@ def replay_quotes(steps: pd.DataFrame, kernels: dict) -> dict[str, float | str]:
     return out
 
 
-def reduce_overhead_quotes(ro: pd.DataFrame) -> dict[str, float]:
+def reduce_overhead_quotes(
+    ro: pd.DataFrame, by_hand: dict | None = None
+) -> dict[str, float]:
     """From the rows of :func:`~.whole_step.reduce_overhead_row` by workload (chapter
     11): ``ro_whole_knn_ms``, ``ro_whole_radius_ms`` and ``ro_whole_graphs``, the
-    graph launches of a kNN step."""
-    return {
+    graph launches of a kNN step; given ``by_hand`` (:func:`replay_quotes`), also
+    ``ro_over_by_hand_<workload>``, the step's time over the compiled step captured in
+    one graph by hand."""
+    out = {
         "ro_whole_knn_ms": float(ro.loc["knn", "ms per step"]),
         "ro_whole_radius_ms": float(ro.loc["radius", "ms per step"]),
         "ro_whole_graphs": float(ro.loc["knn", "graph launches"]),
     }
+    for workload in ("knn", "radius") if by_hand else ():
+        hand = by_hand[f"{workload}_compiled_graph_train"]
+        out[f"ro_over_by_hand_{workload}"] = out[f"ro_whole_{workload}_ms"] / hand
+    return out
 
 
 def shapes_quotes(shapes: pd.DataFrame) -> dict[str, float]:
