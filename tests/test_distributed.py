@@ -182,30 +182,32 @@ def test_two_ranks_match_one_process(two_ranks, i):
         assert row["same_neighbours"] is True
 
 
-@pytest.mark.slow
-def test_three_ranks_with_shards_smaller_than_k_match_one_process():
-    # 10 points over 3 ranks (3, 3 and 4 points, fewer than k = 7) and 8 queries (chunks
-    # of 3, 3 and 2)
-    df = checks(3, n_ref=10, grid_side=2, device="cpu")
-    assert len(df) == 4 and (df["world"] == 3).all()
+def _every_layout_matches_one_process(df, world):
+    """Every (workload, layout) of ``checks`` on ``world`` ranks: forward and gradients
+    within float32 rounding of one process, the kNN reference layout's neighbours the
+    same."""
+    assert len(df) == 4 and (df["world"] == world).all()
     for row in _rows(df):
         assert within_float32(row["forward"], row["forward_scale"]), row.to_dict()
         assert within_float32(row["grad"], row["grad_scale"]), row.to_dict()
     knn_ref = df[(df["workload"] == "knn") & (df["layout"] == "reference")]
     assert knn_ref["same_neighbours"].tolist() == [True]
+
+
+@pytest.mark.slow
+def test_three_ranks_with_shards_smaller_than_k_match_one_process():
+    # 10 points over 3 ranks (3, 3 and 4 points, fewer than k = 7) and 8 queries (chunks
+    # of 3, 3 and 2)
+    _every_layout_matches_one_process(checks(3, n_ref=10, grid_side=2, device="cpu"), 3)
 
 
 @pytest.mark.slow
 def test_four_ranks_match_one_process_and_the_command_times_them():
     # chapter 13's largest layout: every (workload, layout) on 4 gloo ranks against one
     # process, then the scaling command's 4-rank path
-    df = checks(4, n_ref=400, grid_side=4, device="cpu")
-    assert len(df) == 4 and (df["world"] == 4).all()
-    for row in _rows(df):
-        assert within_float32(row["forward"], row["forward_scale"]), row.to_dict()
-        assert within_float32(row["grad"], row["grad_scale"]), row.to_dict()
-    knn_ref = df[(df["workload"] == "knn") & (df["layout"] == "reference")]
-    assert knn_ref["same_neighbours"].tolist() == [True]
+    _every_layout_matches_one_process(
+        checks(4, n_ref=400, grid_side=4, device="cpu"), 4
+    )
     result = bench(
         4,
         workloads=("radius",),
