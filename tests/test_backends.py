@@ -271,13 +271,13 @@ def _non_contiguous(t):
 
 
 # (how to spoil a tensor, the error, whether a fake sees it: values are not the fake's
-# business)
+# business, nor is the layout, which inside a compiled graph is the compiler's)
 BAD_CLOUDS = {
     "float64": (lambda t: t.double(), TypeError, True),
     "shape (n, 2)": (lambda t: t[:, :2].contiguous(), ValueError, True),
     "1-D": (lambda t: t.reshape(-1), ValueError, True),
     "empty": (lambda t: t[:0], ValueError, True),
-    "non-contiguous": (_non_contiguous, ValueError, True),
+    "non-contiguous": (_non_contiguous, ValueError, False),
     "on another device": (lambda t: t.to("meta"), ValueError, True),
     "NaN": (lambda t: _with_value(t, math.nan), ValueError, False),
     "inf": (lambda t: _with_value(t, math.inf), ValueError, False),
@@ -322,7 +322,7 @@ def _bad_cases(op: str) -> list[tuple]:
             def make(inputs, spoil=spoil):
                 return _args(op, {**inputs, "feats": spoil(inputs["feats"])}), "feats"
 
-            out.append((f"feats {label}", make, error, True))
+            out.append((f"feats {label}", make, error, label != "non-contiguous"))
     for label, (name, value, error) in BAD_SCALARS.items():
         if (
             name == "k"
@@ -420,7 +420,7 @@ def test_fake_implementation_rejects(op, backend, device, make, error, fake):
     # The fake runs the operator's metadata checks (device included): a compiled caller
     # fails at trace time. Values are not a fake's business: it never sees them.
     if not fake:
-        pytest.skip("a fake tensor has no values to check")
+        pytest.skip("a fake checks neither values nor the layout")
     args, name = make(_valid(device))
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_args = [
@@ -428,6 +428,25 @@ def test_fake_implementation_rejects(op, backend, device, make, error, fake):
         ]
         with pytest.raises(error, match=f"^{name}:"):
             _operator(backend, op)(*fake_args)
+
+
+@pytest.mark.parametrize(
+    "op, backend, device",
+    per_op(["knn_aggregate", "radius_aggregate"], operator_cases),
+)
+def test_fake_takes_features_of_any_strides(op, backend, device):
+    # Inside a compiled graph the strides are the compiler's (see the next section): the
+    # fake gives the output's shape for a strided view of the features too.
+    inputs = _valid(device)
+    inputs["feats"] = _non_contiguous(inputs["feats"])
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = [
+            mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+            for a in _args(op, inputs)
+        ]
+        out = _operator(backend, op)(*fake_args)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == (inputs["p_query"].shape[0], inputs["feats"].shape[1])
 
 
 # ------------------------------------------------------- operators and the compiler
@@ -469,3 +488,28 @@ def test_compiles_with_fullgraph_and_matches_eager(op, backend, device):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-4)
     if op != "knn":
         torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "op, backend, device", per_op(["knn_aggregate", "radius_aggregate"])
+)
+def test_compiles_when_the_compiler_pads_the_matmul_that_feeds_it(op, backend, device):
+    # On a GPU, Inductor may pad a matmul whose width is not a multiple of four and show
+    # the operator's fake a slice of the padded result: a strided view of (N, 25). The
+    # fake takes it; the kernel is given the layout it needs.
+    torch._dynamo.reset()
+    p_query, p_ref = _example(op, device)[:2]
+    lift = torch.nn.Linear(3, 25, device=device)
+
+    def loss(p_query, p_ref):
+        inputs = {"p_query": p_query, "p_ref": p_ref, "feats": lift(p_ref)}
+        args = _args(op, inputs, k=K, radius=RADIUS, sigma=SIGMA)
+        return getattr(extkernels, op)(*args, backend=backend).square().sum()
+
+    results = []
+    with torch._inductor.config.patch(force_shape_pad=True):
+        for fn in (loss, torch.compile(loss, fullgraph=True)):
+            value = fn(p_query, p_ref)
+            results.append((value.detach(), torch.autograd.grad(value, lift.weight)[0]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)

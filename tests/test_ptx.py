@@ -208,7 +208,11 @@ def test_gather_rejects(case):
         GATHER(*_bad(case))
 
 
-@pytest.mark.parametrize("case", sorted(c for c in BAD if "index" not in c))
+# Values are not a fake's business, nor is the layout: strides inside a compiled graph
+# are the compiler's (checks.check_contiguous).
+@pytest.mark.parametrize(
+    "case", sorted(c for c in BAD if "index" not in c and c != "non-contiguous")
+)
 def test_fake_rejects_the_same_metadata(case):
     error, message = BAD[case]
     args = _bad(case)

@@ -10,7 +10,9 @@ the argument's name and says what was expected.
 
 Checks of tensor *metadata* (dtype, shape, device, layout) are free and always run, also
 while ``torch.compile`` traces and inside fake implementations, so a compiled caller
-fails at trace time exactly where an eager one fails at run time. Checks of tensor
+fails at trace time exactly where an eager one fails at run time. The one exception is
+the layout inside a fake (:func:`check_contiguous`): strides inside a compiled graph are
+the compiler's, and the kernel checks the ones it is given. Checks of tensor
 *values* (finite coordinates) need the values on the host: a device synchronisation and,
 while tracing, a graph break. They therefore run in eager mode only, once per call: both
 clouds in one synchronisation, by whoever is called first. An entry point checks, then
@@ -45,6 +47,7 @@ __all__ = [
     "check_k",
     "check_positive",
     "check_same_device",
+    "check_contiguous",
     "check_finite",
     "call_checked",
     "values_checked",
@@ -141,11 +144,20 @@ def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.
         raise ValueError(
             f"{name}: expected at least one point, got an empty cloud of shape (0, 3)"
         )
-    if not points.is_contiguous():
+    check_contiguous(name, points)
+    return points
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    """A contiguous layout, asked of real tensors only. A fake is not asked: inside a
+    compiled graph the strides are the compiler's. Inductor may pad a matmul that feeds
+    an operator and show the fake a slice of it; the kernel then gets the layout its
+    operator's tag asks for (the eager strides by default, or contiguous ones), and
+    checks it itself."""
+    if not t.is_contiguous() and not is_fake(t):
         raise ValueError(
             f"{name}: expected a contiguous tensor (call .contiguous() first)"
         )
-    return points
 
 
 def check_feats(feats: object, n_ref: int, *, dtypes=(torch.float32,)) -> torch.Tensor:
@@ -168,10 +180,7 @@ def check_feats(feats: object, n_ref: int, *, dtypes=(torch.float32,)) -> torch.
             f"feats: expected one row per reference point ({n_ref} rows), got "
             f"{feats.shape[0]}"
         )
-    if not feats.is_contiguous():
-        raise ValueError(
-            "feats: expected a contiguous tensor (call .contiguous() first)"
-        )
+    check_contiguous("feats", feats)
     return feats
 
 
@@ -311,9 +320,6 @@ def check_grad_out(
         raise ValueError(
             f"grad_out: expected shape {want} (M, F), got {tuple(grad_out.shape)}"
         )
-    if not grad_out.is_contiguous():
-        raise ValueError(
-            "grad_out: expected a contiguous tensor (call .contiguous() first)"
-        )
+    check_contiguous("grad_out", grad_out)
     check_same_device(p_query=p_query, grad_out=grad_out)
     return grad_out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..capture import capturing
-from ..checks import check_same_device, values_checked
+from ..checks import check_contiguous, check_same_device, values_checked
 from . import kernels
 
 __all__ = [
@@ -49,10 +49,7 @@ def _check_matrix(name: str, t: object, dtype: torch.dtype, what: str) -> None:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"{name}: expected a non-empty {what}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{name}: expected a contiguous tensor (call .contiguous() first)"
-        )
+    check_contiguous(name, t)
 
 
 def check_neighbours(
