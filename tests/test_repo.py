@@ -55,6 +55,27 @@ def test_notebook_code_lines_fit_the_page(path):
     )
 
 
+# the longest code cell a page shows; a longer one folds (or removes) its input
+MAX_VISIBLE_CELL_LINES = 15
+HIDING_TAGS = {"hide-input", "remove-input", "remove-cell", "hide-cell"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_visible_code_cells_are_short(path):
+    nb = nbformat.read(path, as_version=4)
+    long = [
+        f"cell {i}: {n} lines: {cell.source.strip().splitlines()[0][:50]}"
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        and not HIDING_TAGS & set(cell.metadata.get("tags", []))
+        and (n := len(cell.source.rstrip().splitlines())) > MAX_VISIBLE_CELL_LINES
+    ]
+    assert not long, (
+        f"{path.name}: visible code cells over {MAX_VISIBLE_CELL_LINES} lines (tag "
+        "the input hide-input, or shorten the cell):\n" + "\n".join(long)
+    )
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_valid_and_canonical(path):
     text = path.read_text()
