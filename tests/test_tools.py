@@ -3,6 +3,7 @@ helpers."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -304,6 +305,12 @@ def test_versions_reports_the_running_torch():
     assert notebook.versions().loc["torch", "version"] == torch.__version__
 
 
+def test_versions_names_the_host_cpu_and_its_cores():
+    host = notebook.versions().loc["host CPU", "version"]
+    assert host.endswith(f"({os.cpu_count()} cores)")
+    assert len(host) > len(f" ({os.cpu_count()} cores)")
+
+
 def test_versions_names_the_cpu_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert notebook.versions().loc["device", "version"].startswith("CPU")
@@ -460,12 +467,12 @@ def test_summary_is_narrow_and_says_median_and_range():
     assert out.loc["v", "training ms"] == "4.000 (2.000–8.000)"
 
 
-def _benchmark_file(path, hardware, runs):
+def _benchmark_file(path, hardware, runs, versions=None):
     runs = [
         {"variant": v, "workload": v.split("/")[0], "forward_ms": f, "train_ms": 2 * f}
         for v, f in runs
     ]
-    meta = {"hardware": hardware, "date": "today"}
+    meta = {"hardware": hardware, "date": "today", "versions": versions or {}}
     path.write_text(json.dumps({"meta": meta, "rows": [], "runs": runs}))
     return str(path)
 
@@ -489,6 +496,19 @@ def test_benchmark_merge_replaces_the_runs_of_a_variant_timed_again(tmp_path):
     assert df.loc["knn/cpp", "repeats"] == 1
     assert df.loc["knn/cpp", "forward_ms"] == 0.5  # the old runs are gone
     assert df.loc["knn/torch", "repeats"] == 2  # a variant not timed again stays
+
+
+def test_benchmark_merge_lists_every_value_of_a_component_that_differs(tmp_path):
+    a = {"torch": "2.13.0", "host CPU": "CPU A (16 cores)"}
+    b = {"torch": "2.13.0", "host CPU": "CPU B (16 cores)", "driver": "580"}
+    paths = [
+        _benchmark_file(tmp_path / f"{i}.json", "GPU", [(v, 1.0)], versions)
+        for i, (v, versions) in enumerate([("knn/torch", a), ("knn/cpp", b)])
+    ]
+    meta, _ = benchmark.merge(paths)
+    assert meta["versions"]["torch"] == "2.13.0"  # the same in both: once
+    assert meta["versions"]["host CPU"] == "CPU A (16 cores); CPU B (16 cores)"
+    assert meta["versions"]["driver"] == "580"
 
 
 @pytest.mark.parametrize(

@@ -135,7 +135,8 @@ def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
     the table rebuilt from them (so speedups use the baseline wherever it was timed).
     A variant timed again in a later file keeps only the later file's runs: a
     re-measurement replaces the old one, never mixes with it. The meta of the first
-    file, with the dates of all."""
+    file, with the dates of all and, for a component whose version differs between
+    the files, every value."""
     metas, runs = [], []
     for path in paths:
         with open(path) as f:
@@ -148,8 +149,22 @@ def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
         raise ValueError(
             f"paths: expected files from one machine, got {sorted(hardware)}"
         )
-    meta = {**metas[0], "date": ", ".join(m["date"] for m in metas)}
+    meta = {
+        **metas[0],
+        "date": ", ".join(m["date"] for m in metas),
+        "versions": _joined([m.get("versions", {}) for m in metas]),
+    }
     return meta, frame(runs)
+
+
+def _joined(versions: list[dict]) -> dict:
+    """One record of the files' software and hardware: a component that differs
+    between files (another host CPU, a newer driver) lists each value once, in order,
+    so a merged file never claims one value for runs that had another."""
+    keys = dict.fromkeys(k for v in versions for k in v)
+    return {
+        k: "; ".join(dict.fromkeys(str(v[k]) for v in versions if k in v)) for k in keys
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import inspect
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -50,6 +51,21 @@ def _driver() -> str:
         return "n/a"
 
 
+def _host_cpu() -> str:
+    """The host's processor model and core count: host-bound timings (a launch, a
+    Python backward) depend on it as much as on the GPU."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        model = names[0] if names else model
+    return f"{model} ({os.cpu_count()} cores)"
+
+
 def versions() -> pd.DataFrame:
     """The software and hardware this notebook runs on, one row each."""
     rows = [("python", platform.python_version())]
@@ -72,6 +88,7 @@ def versions() -> pd.DataFrame:
         ]
     else:
         rows += [("device", f"CPU only ({platform.processor() or platform.machine()})")]
+    rows.append(("host CPU", _host_cpu()))
     return pd.DataFrame(rows, columns=["component", "version"]).set_index("component")
 
 
