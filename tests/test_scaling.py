@@ -186,6 +186,29 @@ def test_slope_and_variant_quotes_use_the_names_the_prose_reads():
     assert q["knn_best"] == "knn/fused"  # the floor aggregates nothing
     assert q["knn_best_train"] == 0.5 and q["knn_worst_train"] == 2.0
     assert q["knn_best_fwd"] == 0.3 and q["knn_n_variants"] == 3
+    assert q["knn_runner_up"] == "knn/torch" and q["knn_runner_up_train"] == 2.0
+    assert "knn_best_vs_runner_up" not in q  # no ranges, no verdict
+
+
+@pytest.mark.parametrize(
+    "runner_up_range, words",
+    [((0.6, 0.7), "faster than"), ((0.45, 0.7), "within the run-to-run spread of")],
+)
+def test_variant_quotes_compare_the_fastest_with_the_runner_up_by_the_ranges(
+    runner_up_range, words
+):
+    part = pd.DataFrame(
+        {
+            "train_ms": [0.2, 0.5, 0.65],
+            "train_min": [0.2, 0.48, runner_up_range[0]],
+            "train_max": [0.2, 0.52, runner_up_range[1]],
+            "forward_ms": [0.1, 0.2, 0.3],
+        },
+        index=["radius/floor", "radius/fused", "radius/warp"],
+    )
+    q = scaling.variant_quotes({"radius projector": part})
+    assert q["radius_best"] == "radius/fused" and q["radius_runner_up"] == "radius/warp"
+    assert q["radius_best_vs_runner_up"] == words
 
 
 def test_the_panels_label_their_axes_in_words():
