@@ -661,6 +661,24 @@ def test_the_guide_reads_every_number_from_the_measurements():
     assert guide.source_lines("fused") > guide.source_lines("torch")
 
 
+def test_the_answer_reads_the_fastest_steps_and_the_verdicts_from_the_files():
+    data = Path(__file__).parents[1] / "book" / "data"
+    _, bench = results.load(data / "benchmark-h200.json")
+    _, clouds = results.load(data / "benchmark-clouds-h200.json")
+    q = results.answer_quotes(bench, clouds)
+    exact = bench[~results.is_floor(bench)]
+    knn = exact[exact.index.str.startswith("knn/")].sort_values("train_ms")
+    assert q["knn_best"] == knn.index[0] and q["knn_runner_up"] == knn.index[1]
+    assert q["knn_best_train"] == knn["train_ms"].iloc[0]
+    assert "floor" not in q["radius_best"]
+    bench.loc["knn/cuml", ["train_ms", "train_min", "train_max"]] = 0.001
+    assert results.answer_quotes(bench, clouds)["knn_best"] == "knn/cuml"
+    clouds.loc["knn/fused-grid+graphs", ["train_min", "train_max"]] = 0.0, 99.0
+    assert results.answer_quotes(bench, clouds)["grid_vs_tree"].startswith("within")
+    clouds.loc["knn/fused-grid+graphs", ["train_min", "train_max"]] = 99.0, 99.5
+    assert results.answer_quotes(bench, clouds)["grid_vs_tree"] == "slower than"
+
+
 def _broken(x):
     x = x + 1
     torch._dynamo.graph_break()

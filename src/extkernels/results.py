@@ -16,7 +16,7 @@ import pandas as pd
 
 from . import clouds
 from .reference import not_like_for_like, published
-from .timing import summary
+from .timing import summary, verdict
 
 __all__ = [
     "load",
@@ -184,3 +184,28 @@ def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
     if "fused-radius" in ms:
         out["<= 2x normal"] = out["fused-radius / normal"] <= 2.0
     return out.round(3)
+
+
+def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
+    """The numbers the page's answer reads: the fastest training step of each workload
+    and its runner-up on the book's cloud (from the benchmark ``table``, floors left
+    out), the fused tree's step in one graph, and in words (by the ranges of the runs)
+    the fused grid against the tree on the book's cloud (chapter 14's ``clouds`` file,
+    which times both) and the fused radius walk against Warp's hash grid."""
+    from .experiments.scaling import variant_quotes
+
+    ranked = table[~is_floor(table)].sort_values("train_ms")
+    parts = {
+        f"{w} projector": ranked[ranked.index.str.startswith(f"{w.lower()}/")]
+        for w in ("kNN", "radius")
+    }
+    quotes = variant_quotes(parts)
+    out = {k: v for k, v in quotes.items() if "_best" in k or "_runner_up" in k}
+    out["knn_tree_train"] = float(table.loc["knn/fused+compile+graphs", "train_ms"])
+    grid, tree = "knn/fused-grid+graphs", "knn/fused+graphs"
+    out["grid_train"] = float(clouds.loc[grid, "train_ms"])
+    out["tree_train_beside_grid"] = float(clouds.loc[tree, "train_ms"])
+    out["grid_vs_tree"] = verdict(clouds, grid, tree, "train")
+    fused, warp = "radius/fused+compile+graphs", "radius/warp+graphs"
+    out["radius_fused_vs_warp"] = verdict(table, fused, warp, "train")
+    return out
