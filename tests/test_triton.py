@@ -287,8 +287,16 @@ def test_targets_table_and_the_words_the_prose_quotes():
     assert all(type(v) in (float, str) for v in words.values())  # glue-able
     # 1.6 ms of training misses the 1.5 ms target, however fast the forward is
     slow = _timings(GRAPHS=1.6)
-    assert tl.targets_glue(slow, tl.against_targets(slow))["ro_targets"] == (
-        "misses a target"
+    words = tl.targets_glue(slow, tl.against_targets(slow))
+    assert words["ro_targets"] == "misses a target"
+    # 10 / 1.6 = 6.25x cuML: both training targets missed, both forward ones met
+    assert words["ro_train_targets"] == "misses both"
+    assert words["ro_fwd_targets"] == "meets both"
+    assert words["ro_train_max"] == pytest.approx(1.6 * 1.01)
+    # 1.4 ms meets the 1.5 ms target but is short of 8x (10 / 1.4 = 7.1)
+    one = _timings(GRAPHS=1.4)
+    assert tl.targets_glue(one, tl.against_targets(one))["ro_train_targets"] == (
+        "meets one of"
     )
 
 
