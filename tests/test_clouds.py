@@ -225,3 +225,36 @@ def test_mesh_quotes_take_the_worst_ratio_of_the_tree_on_a_mesh():
     ).set_index(["variant", "cloud"])
     q = geometry_report.mesh_quotes(on_clouds)
     assert q == {"mesh_worst": 1.3, "radius_mesh_fwd": 1.7, "radius_mesh_train": 1.2}
+
+
+def test_radius_pairs_count_the_neighbours_of_every_query():
+    from extkernels import clouds
+    from extkernels.experiments import geometry_report
+
+    pairs = geometry_report.radius_pairs(["normal", "panda"], 2_000, 6, 0.3, chunk=50)
+    assert pairs.loc["normal", "pairs / normal"] == 1.0
+    w = clouds.workload("panda", 2_000, side=6)
+    within = torch.cdist(w.p_query, w.p_ref) <= 0.3
+    assert pairs.loc["panda", "neighbours per query"] == pytest.approx(
+        within.sum(1).double().mean().item()
+    )
+    assert pairs.loc["panda", "most in one query"] == within.sum(1).max().item()
+    share = 100 * within.any(1).double().mean().item()
+    assert pairs.loc["panda", "queries with any (%)"] == pytest.approx(share)
+
+
+def test_radius_work_quotes_compare_the_time_above_the_floor_with_the_pairs():
+    from extkernels.experiments import geometry_report
+
+    pairs = pd.DataFrame({"pairs / normal": {"normal": 1.0, "panda": 2.0}})
+    on_clouds = pd.DataFrame(
+        {"forward ms": [0.11, 0.17], "train ms": [0.32, 0.41]},
+        index=pd.MultiIndex.from_tuples(
+            [("radius/fused+graphs", "normal"), ("radius/fused+graphs", "panda")],
+            names=["variant", "cloud"],
+        ),
+    )
+    q = geometry_report.radius_work_quotes(pairs, on_clouds, floor=(0.05, 0.23))
+    assert q["radius_pairs_ratio"] == 2.0
+    assert q["radius_above_floor_fwd_ratio"] == pytest.approx(0.12 / 0.06)
+    assert q["radius_above_floor_train_ratio"] == pytest.approx(0.18 / 0.09)

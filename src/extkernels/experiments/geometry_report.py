@@ -88,6 +88,56 @@ def mesh_quotes(on_clouds: pd.DataFrame) -> dict[str, float]:
     }
 
 
+def radius_pairs(
+    names, n: int, side: int, radius: float, *, device="cpu", chunk: int = 2048
+) -> pd.DataFrame:
+    """The work the radius aggregation cannot skip on each cloud (chapter 14): the
+    reference points within ``radius`` of a query, counted by brute force over the
+    ``side^3`` queries of :func:`~extkernels.clouds.workload`. Per cloud: neighbours per
+    query, the share of queries with any, the most one query has, and the neighbours
+    per query over the book's cloud's (``pairs / normal``; ``names`` holds
+    ``"normal"``)."""
+    import torch
+
+    from .. import clouds
+
+    rows = {}
+    for name in names:
+        w = clouds.workload(name, n, side=side, device=device)
+        counts = torch.cat(
+            [(torch.cdist(q, w.p_ref) <= radius).sum(1) for q in w.p_query.split(chunk)]
+        ).double()
+        rows[name] = {
+            "neighbours per query": counts.mean().item(),
+            "queries with any (%)": 100 * (counts > 0).double().mean().item(),
+            "most in one query": counts.max().item(),
+        }
+    out = pd.DataFrame(rows).T
+    out["pairs / normal"] = (
+        out["neighbours per query"] / out.loc["normal", "neighbours per query"]
+    )
+    return out
+
+
+def radius_work_quotes(
+    pairs: pd.DataFrame, on_clouds: pd.DataFrame, floor: tuple[float, float]
+) -> dict[str, float]:
+    """The radius projector on the Panda mesh against the work it cannot skip: the
+    neighbours per query over the book's cloud's (``pairs``: :func:`radius_pairs`), and
+    the forward pass's and training step's time above the ``floor`` (its forward and
+    training ms in one graph: the model without aggregation) over the same on the book's
+    cloud (``on_clouds``: :func:`~extkernels.results.clouds_table`)."""
+    rows = on_clouds.xs("radius/fused+graphs")
+    out = {"radius_pairs_ratio": float(pairs.loc["panda", "pairs / normal"])}
+    for key, column, bound in [
+        ("fwd", "forward ms", floor[0]),
+        ("train", "train ms", floor[1]),
+    ]:
+        above = rows[column] - bound
+        out[f"radius_above_floor_{key}_ratio"] = float(above["panda"] / above["normal"])
+    return out
+
+
 def traits_quotes(props: pd.DataFrame) -> dict[str, str]:
     """The methods whose call makes the host wait and those captured in a CUDA graph
     that replays correctly (chapter 14; ``props``: a row per method with the booleans
