@@ -29,6 +29,8 @@ __all__ = [
     "at_size",
     "targets",
     "radius_targets",
+    "variant_quotes",
+    "answer_quotes",
 ]
 
 
@@ -186,14 +188,38 @@ def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
     return out.round(3)
 
 
+def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | str]:
+    """The numbers chapter 12 quotes from the benchmark's table of every variant:
+    ``parts`` maps ``"kNN projector"`` and ``"radius projector"`` to their rows sorted
+    by ``train_ms``. For each workload (``knn_*``, ``radius_*``): the fastest exact
+    variant (the floors aggregate nothing), its training step, the fastest forward, the
+    slowest training step and the number of variants; the runner-up (``*_runner_up``,
+    its step ``*_runner_up_train``) and, where the table has the runs' ranges, the
+    fastest against it in words (``*_best_vs_runner_up``: "faster than" only when the
+    ranges of the training steps do not overlap)."""
+    out = {}
+    for workload, part in parts.items():
+        exact = part[~part.index.str.contains("floor")]
+        key = "knn" if workload.startswith("kNN") else "radius"
+        best, second = exact.index[0], exact.index[1]
+        out[f"{key}_best"] = best
+        out[f"{key}_best_train"] = float(exact["train_ms"].iloc[0])
+        out[f"{key}_runner_up"] = second
+        out[f"{key}_runner_up_train"] = float(exact["train_ms"].iloc[1])
+        if {"train_min", "train_max"} <= set(exact.columns):
+            out[f"{key}_best_vs_runner_up"] = verdict(exact, best, second, "train")
+        out[f"{key}_best_fwd"] = float(exact["forward_ms"].min())
+        out[f"{key}_worst_train"] = float(exact["train_ms"].iloc[-1])
+        out[f"{key}_n_variants"] = len(part)
+    return out
+
+
 def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
     """The numbers the page's answer reads: the fastest training step of each workload
     and its runner-up on the book's cloud (from the benchmark ``table``, floors left
     out), the fused tree's step in one graph, and in words (by the ranges of the runs)
     the fused grid against the tree on the book's cloud (chapter 14's ``clouds`` file,
     which times both) and the fused radius walk against Warp's hash grid."""
-    from .experiments.scaling import variant_quotes
-
     ranked = table[~is_floor(table)].sort_values("train_ms")
     parts = {
         f"{w} projector": ranked[ranked.index.str.startswith(f"{w.lower()}/")]

@@ -8,7 +8,9 @@ hidden glue cells.
 from __future__ import annotations
 
 import pandas as pd
+import torch
 
+from .. import clouds
 from ..results import at_size
 
 __all__ = [
@@ -97,10 +99,6 @@ def radius_pairs(
     query, the share of queries with any, the most one query has, and the neighbours
     per query over the book's cloud's (``pairs / normal``; ``names`` holds
     ``"normal"``)."""
-    import torch
-
-    from .. import clouds
-
     rows = {}
     for name in names:
         w = clouds.workload(name, n, side=side, device=device)

@@ -19,7 +19,8 @@ from ..data import features, query_grid, reference_cloud
 from ..ops import knn_aggregate, radius_aggregate
 from ..ops.checks import value_checks
 from ..plotting import scaling_plot
-from ..timing import peak_memory_mb, ranked, time_blocks, time_fn, verdict
+from ..results import variant_quotes
+from ..timing import peak_memory_mb, ranked, time_blocks, time_fn
 
 __all__ = [
     "AXES",
@@ -210,32 +211,6 @@ def pays_from(sweeps: dict, baseline: str = "torch") -> pd.DataFrame:
 
 
 # ---- what chapter 12 shows and quotes ---------------------------------------------
-
-
-def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | str]:
-    """The numbers chapter 12 quotes from the benchmark's table of every variant:
-    ``parts`` maps ``"kNN projector"`` and ``"radius projector"`` to their rows sorted
-    by ``train_ms``. For each workload (``knn_*``, ``radius_*``): the fastest exact
-    variant (the floors aggregate nothing), its training step, the fastest forward, the
-    slowest training step and the number of variants; the runner-up (``*_runner_up``,
-    its step ``*_runner_up_train``) and, where the table has the runs' ranges, the
-    fastest against it in words (``*_best_vs_runner_up``: "faster than" only when the
-    ranges of the training steps do not overlap)."""
-    out = {}
-    for workload, part in parts.items():
-        exact = part[~part.index.str.contains("floor")]
-        key = "knn" if workload.startswith("kNN") else "radius"
-        best, second = exact.index[0], exact.index[1]
-        out[f"{key}_best"] = best
-        out[f"{key}_best_train"] = float(exact["train_ms"].iloc[0])
-        out[f"{key}_runner_up"] = second
-        out[f"{key}_runner_up_train"] = float(exact["train_ms"].iloc[1])
-        if {"train_min", "train_max"} <= set(exact.columns):
-            out[f"{key}_best_vs_runner_up"] = verdict(exact, best, second, "train")
-        out[f"{key}_best_fwd"] = float(exact["forward_ms"].min())
-        out[f"{key}_worst_train"] = float(exact["train_ms"].iloc[-1])
-        out[f"{key}_n_variants"] = len(part)
-    return out
 
 
 def size_quotes(sweeps: dict) -> dict[str, float | str]:
