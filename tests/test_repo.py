@@ -40,13 +40,17 @@ LINE_LENGTH = int(
 )
 
 
+def _code_cells(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:
+    """The code cells of a notebook with their indices."""
+    nb = nbformat.read(path, as_version=4)
+    return [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_code_lines_fit_the_page(path):
-    nb = nbformat.read(path, as_version=4)
     long = [
         f"cell {i}: {len(line)} characters: {line.strip()[:50]}"
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code"
+        for i, cell in _code_cells(path)
         for line in cell.source.splitlines()
         if len(line) > LINE_LENGTH
     ]
@@ -62,12 +66,10 @@ HIDING_TAGS = {"hide-input", "remove-input", "remove-cell", "hide-cell"}
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_visible_code_cells_are_short(path):
-    nb = nbformat.read(path, as_version=4)
     long = [
         f"cell {i}: {n} lines: {cell.source.strip().splitlines()[0][:50]}"
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code"
-        and not HIDING_TAGS & set(cell.metadata.get("tags", []))
+        for i, cell in _code_cells(path)
+        if not HIDING_TAGS & set(cell.metadata.get("tags", []))
         and (n := len(cell.source.rstrip().splitlines())) > MAX_VISIBLE_CELL_LINES
     ]
     assert not long, (

@@ -87,7 +87,7 @@ def versions() -> pd.DataFrame:
             ("driver", _driver()),
         ]
     else:
-        rows += [("device", f"CPU only ({platform.processor() or platform.machine()})")]
+        rows += [("device", "CPU only (the host CPU below)")]
     rows.append(("host CPU", _host_cpu()))
     return pd.DataFrame(rows, columns=["component", "version"]).set_index("component")
 

@@ -215,9 +215,9 @@ def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | st
 
 
 def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
-    """The numbers the page's answer reads: the fastest training step of each workload
-    and its runner-up on the book's cloud (from the benchmark ``table``, floors left
-    out), the fused tree's step in one graph, and in words (by the ranges of the runs)
+    """The numbers the page's answer reads: :func:`variant_quotes` of the benchmark
+    ``table`` (the fastest training step of each workload on the book's cloud, its
+    runner-up, floors left out), the fused tree's step in one graph, and in words (by the ranges of the runs)
     the fused grid against the tree on the book's cloud (chapter 14's ``clouds`` file,
     which times both) and the fused radius walk against Warp's hash grid."""
     ranked = table[~is_floor(table)].sort_values("train_ms")
@@ -225,8 +225,7 @@ def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
         f"{w} projector": ranked[ranked.index.str.startswith(f"{w.lower()}/")]
         for w in ("kNN", "radius")
     }
-    quotes = variant_quotes(parts)
-    out = {k: v for k, v in quotes.items() if "_best" in k or "_runner_up" in k}
+    out = variant_quotes(parts)
     out["knn_tree_train"] = float(table.loc["knn/fused+compile+graphs", "train_ms"])
     grid, tree = "knn/fused-grid+graphs", "knn/fused+graphs"
     out["grid_train"] = float(clouds.loc[grid, "train_ms"])
