@@ -217,9 +217,10 @@ def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | st
 def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
     """The numbers the page's answer reads: :func:`variant_quotes` of the benchmark
     ``table`` (the fastest training step of each workload on the book's cloud, its
-    runner-up, floors left out), the fused tree's step in one graph, and in words (by the ranges of the runs)
-    the fused grid against the tree on the book's cloud (chapter 14's ``clouds`` file,
-    which times both) and the fused radius walk against Warp's hash grid."""
+    runner-up, floors left out), the fused tree's step in one graph, and in words (by
+    the ranges of the runs) the fused grid against the tree on the book's cloud
+    (chapter 14's ``clouds`` file, which times both) and the fused radius walk against
+    Warp's hash grid."""
     ranked = table[~is_floor(table)].sort_values("train_ms")
     parts = {
         f"{w} projector": ranked[ranked.index.str.startswith(f"{w.lower()}/")]
