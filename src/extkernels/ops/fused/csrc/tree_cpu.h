@@ -24,9 +24,43 @@ struct Tree {
   at::Tensor ref;         // (n, 4) float32: n Point4 in Morton order
   at::Tensor leaf_start;  // (leaves + 1,) int32: leaf l holds points [start[l], start[l + 1])
   at::Tensor nodes;       // (layout.total, 8) float32: NodeBox per node, level by level
+  at::Tensor discs;       // (leaves, 8) float32: LeafDisc per leaf
   at::Tensor codes;       // (n,) int64: the sorted Morton codes
   TreeParams params;
 };
+
+// The disc of points begin .. end: their mean and normal (in double), then the
+// slab's half-thickness and the cylinder's radius measured as the search measures.
+inline LeafDisc leaf_disc_cpu(const Point4* ref, int64_t begin, int64_t end) {
+  double mean[3] = {0.0, 0.0, 0.0}, cov[6] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  for (int64_t s = begin; s < end; ++s) {
+    mean[0] += ref[s].x;
+    mean[1] += ref[s].y;
+    mean[2] += ref[s].z;
+  }
+  LeafDisc disc;
+  for (int a = 0; a < 3; ++a) disc.c[a] = (float)(mean[a] / (double)(end - begin));
+  for (int64_t s = begin; s < end; ++s) {
+    const double d[3] = {ref[s].x - (double)disc.c[0], ref[s].y - (double)disc.c[1],
+                         ref[s].z - (double)disc.c[2]};
+    cov[0] += d[0] * d[0];
+    cov[1] += d[1] * d[1];
+    cov[2] += d[2] * d[2];
+    cov[3] += d[0] * d[1];
+    cov[4] += d[0] * d[2];
+    cov[5] += d[1] * d[2];
+  }
+  patch_normal(cov, disc.n);
+  disc.t = disc.r = 0.0f;
+  for (int64_t s = begin; s < end; ++s) {
+    const float d[3] = {ref[s].x - disc.c[0], ref[s].y - disc.c[1], ref[s].z - disc.c[2]};
+    float along, across;
+    disc_parts(d, disc.n, along, across);
+    disc.t = along > disc.t ? along : disc.t;
+    disc.r = across > disc.r ? across : disc.r;
+  }
+  return disc;
+}
 
 inline Tree build_tree_cpu(const at::Tensor& p_ref) {
   const int64_t n = p_ref.size(0);
@@ -68,10 +102,13 @@ inline Tree build_tree_cpu(const at::Tensor& p_ref) {
     const float* x = p + 3 * order[s].second;
     ref[s] = Point4{x[0], x[1], x[2], order[s].second};
   }
+  t.discs = at::empty({leaves, 8}, p_ref.options());
+  auto* discs = reinterpret_cast<LeafDisc*>(t.discs.data_ptr<float>());
   for (int64_t leaf = 0; leaf < leaves; ++leaf) {
     NodeBox& b = nodes[leaf];
     box_empty(b);
     for (int64_t s = starts[leaf]; s < starts[leaf + 1]; ++s) box_add(b, &ref[s].x, &ref[s].x);
+    discs[leaf] = leaf_disc_cpu(ref, starts[leaf], starts[leaf + 1]);
   }
   for (int l = 1; l < t.layout.levels; ++l) {
     const NodeBox* below = nodes + t.layout.offset[l - 1];
@@ -97,6 +134,7 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
   const TreeLayout& L = t.layout;
   const auto* ref = reinterpret_cast<const Point4*>(t.ref.data_ptr<float>());
   const auto* nodes = reinterpret_cast<const NodeBox*>(t.nodes.data_ptr<float>());
+  const auto* discs = reinterpret_cast<const LeafDisc*>(t.discs.data_ptr<float>());
   const int32_t* leaf_start = t.leaf_start.data_ptr<int32_t>();
   TreeEntry stack[kStackSize];
   int top = 0;
@@ -140,13 +178,16 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     int kept = 0;
     for (int64_t c = first; c < end; ++c) {
       const float d2 = box_dist2(q, below[c]);
-      if (d2 < kth) children[kept++] = {d2, c};
+      // A leaf is kept when its disc is near enough too; its box orders it.
+      if (d2 < kth && (level > 1 || disc_dist2(q, discs[c]) < kth)) children[kept++] = {d2, c};
     }
     if (work) work->boxes += end - first;
     std::sort(children, children + kept);
     if (level == 1) {  // leaves: tested at once, nearest first (as the GPU's warp does)
       for (int s = 0; s < kept; ++s) {
-        if (children[s].first < best.worst()) test_leaf(children[s].second);
+        const int64_t leaf = children[s].second;
+        const float bound = std::max(children[s].first, disc_dist2(q, discs[leaf]));
+        if (bound < best.worst()) test_leaf(leaf);
       }
       continue;
     }
