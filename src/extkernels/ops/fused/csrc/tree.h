@@ -173,33 +173,35 @@ EK_HD float disc_dist2(const float* q, const LeafDisc& s) {
 }
 
 // The normal of a patch from its covariance (xx, yy, zz, xy, xz, yz about its mean):
-// the largest axis of trace - covariance, by power iteration from its largest column.
-// Points on a line or at one place give some unit vector: still a bound.
-EK_HD void patch_normal(const double cov[6], float n[3]) {
-  const double tr = cov[0] + cov[1] + cov[2];
-  const double m[3][3] = {{tr - cov[0], -cov[3], -cov[4]},
-                          {-cov[3], tr - cov[1], -cov[5]},
-                          {-cov[4], -cov[5], tr - cov[2]}};
-  double v[3] = {m[0][0], m[1][0], m[2][0]};
+// the largest axis of trace - covariance, by a few steps of power iteration from its
+// largest column, in float (a warp per leaf builds it; the tightness of the bound, not
+// its correctness, depends on the accuracy). Points on a line or at one place give
+// some unit vector: still a bound.
+constexpr int kNormalSteps = 16;
+
+EK_HD void patch_normal(const float cov[6], float n[3]) {
+  const float tr = cov[0] + cov[1] + cov[2];
+  const float m[3][3] = {{tr - cov[0], -cov[3], -cov[4]},
+                         {-cov[3], tr - cov[1], -cov[5]},
+                         {-cov[4], -cov[5], tr - cov[2]}};
+  float v[3] = {m[0][0], m[1][0], m[2][0]};
   for (int col = 1; col < 3; ++col) {
-    const double a = m[0][col] * m[0][col] + m[1][col] * m[1][col] + m[2][col] * m[2][col];
-    if (a > v[0] * v[0] + v[1] * v[1] + v[2] * v[2]) {
+    if (dist2(m[0][col], m[1][col], m[2][col]) > dist2(v[0], v[1], v[2])) {
       for (int i = 0; i < 3; ++i) v[i] = m[i][col];
     }
   }
-  for (int it = 0; it < 24; ++it) {
-    double w[3], len = 0.0;
-    for (int i = 0; i < 3; ++i) {
-      w[i] = m[i][0] * v[0] + m[i][1] * v[1] + m[i][2] * v[2];
-      len += w[i] * w[i];
-    }
-    len = sqrt(len);
-    if (!(len > 0.0) || !(len < INFINITY)) break;
-    for (int i = 0; i < 3; ++i) v[i] = w[i] / len;
+  for (int it = 0; it < kNormalSteps; ++it) {
+    float w[3];
+    for (int i = 0; i < 3; ++i) w[i] = fmaf(m[i][2], v[2], fmaf(m[i][1], v[1], m[i][0] * v[0]));
+    const float len2 = dist2(w[0], w[1], w[2]);
+    if (!(len2 > 0.0f) || !(len2 < INFINITY)) break;
+    const float inv = 1.0f / sqrtf(len2);
+    for (int i = 0; i < 3; ++i) v[i] = w[i] * inv;
   }
-  const double len = sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
-  const bool ok = len > 0.0 && len < INFINITY;
-  for (int i = 0; i < 3; ++i) n[i] = ok ? (float)(v[i] / len) : (i == 2 ? 1.0f : 0.0f);
+  const float len2 = dist2(v[0], v[1], v[2]);
+  const bool ok = len2 > 0.0f && len2 < INFINITY;
+  const float inv = ok ? 1.0f / sqrtf(len2) : 0.0f;
+  for (int i = 0; i < 3; ++i) n[i] = ok ? v[i] * inv : (i == 2 ? 1.0f : 0.0f);
 }
 
 // Squared distance from q to the nearest point of a box (0 inside it). Along each axis

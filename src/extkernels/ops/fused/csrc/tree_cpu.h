@@ -50,7 +50,9 @@ inline LeafDisc leaf_disc_cpu(const Point4* ref, int64_t begin, int64_t end) {
     cov[4] += d[0] * d[2];
     cov[5] += d[1] * d[2];
   }
-  patch_normal(cov, disc.n);
+  const float cov32[6] = {(float)cov[0], (float)cov[1], (float)cov[2],
+                          (float)cov[3], (float)cov[4], (float)cov[5]};
+  patch_normal(cov32, disc.n);
   disc.t = disc.r = 0.0f;
   for (int64_t s = begin; s < end; ++s) {
     const float d[3] = {ref[s].x - disc.c[0], ref[s].y - disc.c[1], ref[s].z - disc.c[2]};

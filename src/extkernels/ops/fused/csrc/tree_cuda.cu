@@ -184,9 +184,9 @@ __global__ void __launch_bounds__(kTreeThreads)
     for (int a = 0; a < 3; ++a) disc.c[a] = warp_sum(p[a]) / points;
     float d[3];
     for (int a = 0; a < 3; ++a) d[a] = mine ? p[a] - disc.c[a] : 0.0f;
-    const double cov[6] = {warp_sum(d[0] * d[0]), warp_sum(d[1] * d[1]),
-                           warp_sum(d[2] * d[2]), warp_sum(d[0] * d[1]),
-                           warp_sum(d[0] * d[2]), warp_sum(d[1] * d[2])};
+    const float cov[6] = {warp_sum(d[0] * d[0]), warp_sum(d[1] * d[1]),
+                          warp_sum(d[2] * d[2]), warp_sum(d[0] * d[1]),
+                          warp_sum(d[0] * d[2]), warp_sum(d[1] * d[2])};
     patch_normal(cov, disc.n);
     float along = 0.0f, across = 0.0f;
     if (mine) disc_parts(d, disc.n, along, across);
