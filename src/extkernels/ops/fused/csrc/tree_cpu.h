@@ -179,17 +179,15 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     const float kth = best.worst();
     int kept = 0;
     for (int64_t c = first; c < end; ++c) {
-      const float d2 = box_dist2(q, below[c]);
-      // A leaf is kept when its disc is near enough too; its box orders it.
-      if (d2 < kth && (level > 1 || disc_dist2(q, discs[c]) < kth)) children[kept++] = {d2, c};
+      float d2 = box_dist2(q, below[c]);
+      if (level == 1) d2 = std::max(d2, disc_dist2(q, discs[c]));  // a leaf: box and disc
+      if (d2 < kth) children[kept++] = {d2, c};
     }
     if (work) work->boxes += end - first;
     std::sort(children, children + kept);
     if (level == 1) {  // leaves: tested at once, nearest first (as the GPU's warp does)
       for (int s = 0; s < kept; ++s) {
-        const int64_t leaf = children[s].second;
-        const float bound = std::max(children[s].first, disc_dist2(q, discs[leaf]));
-        if (bound < best.worst()) test_leaf(leaf);
+        if (children[s].first < best.worst()) test_leaf(children[s].second);
       }
       continue;
     }

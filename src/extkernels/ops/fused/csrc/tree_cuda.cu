@@ -431,8 +431,10 @@ __global__ void __launch_bounds__(kTreeThreads)
       float cd = INFINITY;
       if (c < L.count[level - 1]) {
         cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
-        // A leaf is kept when its disc is near enough too; its box orders it.
-        if (level == 1 && cd < kth && !(disc_dist2(qp, discs, c) < kth)) cd = INFINITY;
+        if (level == 1) {  // a leaf: the farther of its box and its disc (loaded together)
+          const float dd = disc_dist2(qp, discs, c);
+          cd = cd < dd ? dd : cd;
+        }
       }
       const unsigned kept = __ballot_sync(kFull, cd < kth);
       if (!kept) continue;
@@ -462,10 +464,7 @@ __global__ void __launch_bounds__(kTreeThreads)
       // Leaves are tested at once: lane i takes the i-th nearest.
       if (mine) stack[top + rank] = TreeEntry{child, key};
       __syncwarp();
-      if (lane < n_kept) {  // skipped later if the k-th best passes its box or disc
-        leaf = stack[top + lane];
-        leaf.d2 = fmaxf(leaf.d2, disc_dist2(qp, discs, leaf.key));
-      }
+      if (lane < n_kept) leaf = stack[top + lane];
       n_leaves = n_kept;
       __syncwarp();
     }
