@@ -67,11 +67,13 @@ EK_HD TreeLayout tree_layout(int64_t leaves) {
 }
 
 // A node's box, 32 bytes (two float4 loads on the GPU): (n_nodes, 8) float32 in memory.
+// A leaf's box also says whether its disc (below) is worth a test: 1 when its points
+// lie in a patch thinner than a quarter of its width, 0 otherwise.
 struct alignas(16) NodeBox {
   float lo[3];
-  float pad0;
+  float thin;
   float hi[3];
-  float pad1;
+  float pad;
 };
 
 // Where the Morton codes are measured: the corner of the cube around the cloud, and
@@ -153,6 +155,13 @@ EK_HD void disc_parts(const float d[3], const float n[3], float& along, float& a
   along = fabsf(along);
 }
 
+// Discs thinner than this share of their radius are tested: on a surface a leaf's
+// disc is a hundredth as thick as wide, in a volume (the book's cloud, clusters) about as
+// thick, and its test would cost a load and never skip a leaf.
+constexpr float kThinDisc = 0.25f;
+
+EK_HD float disc_is_thin(const LeafDisc& s) { return s.t < kThinDisc * s.r ? 1.0f : 0.0f; }
+
 // The bound's slack, relative to the distances involved: covers the rounding of the
 // bound and of the points' own distances (a few units in the last place each), so a
 // point never comes out nearer than the disc that holds it.
@@ -222,7 +231,7 @@ EK_HD void box_empty(NodeBox& b) {
     b.lo[a] = INFINITY;
     b.hi[a] = -INFINITY;
   }
-  b.pad0 = b.pad1 = 0.0f;
+  b.thin = b.pad = 0.0f;
 }
 
 EK_HD void box_add(NodeBox& b, const float* lo, const float* hi) {

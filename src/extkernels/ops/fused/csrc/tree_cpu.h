@@ -111,6 +111,7 @@ inline Tree build_tree_cpu(const at::Tensor& p_ref) {
     box_empty(b);
     for (int64_t s = starts[leaf]; s < starts[leaf + 1]; ++s) box_add(b, &ref[s].x, &ref[s].x);
     discs[leaf] = leaf_disc_cpu(ref, starts[leaf], starts[leaf + 1]);
+    b.thin = disc_is_thin(discs[leaf]);
   }
   for (int l = 1; l < t.layout.levels; ++l) {
     const NodeBox* below = nodes + t.layout.offset[l - 1];
@@ -180,7 +181,9 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     int kept = 0;
     for (int64_t c = first; c < end; ++c) {
       float d2 = box_dist2(q, below[c]);
-      if (level == 1) d2 = std::max(d2, disc_dist2(q, discs[c]));  // a leaf: box and disc
+      if (level == 1 && below[c].thin != 0.0f) {  // a thin leaf: the farther of the two
+        d2 = std::max(d2, disc_dist2(q, discs[c]));
+      }
       if (d2 < kth) children[kept++] = {d2, c};
     }
     if (work) work->boxes += end - first;

@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(kTreeThreads)
     disc.t = warp_max(along);
     disc.r = warp_max(across);
     if (lane == 0) {
+      b.thin = disc_is_thin(disc);
       leaves[leaf] = b;
       discs[leaf] = disc;
     }
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(kTreeThreads)
 __device__ __forceinline__ NodeBox load_box(const NodeBox* nodes, int64_t i) {
   const float4* v = reinterpret_cast<const float4*>(nodes + i);
   const float4 lo = __ldg(v), hi = __ldg(v + 1);
-  return NodeBox{{lo.x, lo.y, lo.z}, 0.0f, {hi.x, hi.y, hi.z}, 0.0f};
+  return NodeBox{{lo.x, lo.y, lo.z}, lo.w, {hi.x, hi.y, hi.z}, 0.0f};
 }
 
 __device__ __forceinline__ float disc_dist2(const float* q, const LeafDisc* discs,
@@ -430,8 +431,9 @@ __global__ void __launch_bounds__(kTreeThreads)
       const int64_t c = node * kFanout + lane;
       float cd = INFINITY;
       if (c < L.count[level - 1]) {
-        cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
-        if (level == 1) {  // a leaf: the farther of its box and its disc (loaded together)
+        const NodeBox box = load_box(nodes, L.offset[level - 1] + c);
+        cd = box_dist2(qp, box);
+        if (level == 1 && box.thin != 0.0f) {  // a thin leaf: the farther of the two
           const float dd = disc_dist2(qp, discs, c);
           cd = cd < dd ? dd : cd;
         }
