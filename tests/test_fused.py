@@ -169,6 +169,33 @@ def test_the_leaves_discs_keep_a_sphere_queried_in_its_volume_near_the_books_clo
     assert points["shell"] <= 1.6 * points["normal"], points
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0e4])
+def test_the_discs_never_skip_a_nearer_point_above_a_tilted_plane(offset):
+    """Points on a tilted plane (far from the origin too, where float32 rounds them
+    into a staircase) queried from heights of 1e-4 to 10 on both sides: the tree, whose
+    thin leaves test their discs, finds the grid's neighbours (the two round a distance
+    differently in the last bit, so near ties may swap places)."""
+    fused.prepare()
+    g = torch.Generator().manual_seed(0)
+    normal = torch.tensor([0.3, -0.5, 1.0])
+    normal = normal / normal.norm()
+    e1 = torch.linalg.cross(normal, torch.tensor([1.0, 0.0, 0.0]))
+    e1 = e1 / e1.norm()
+    e2 = torch.linalg.cross(normal, e1)
+    uv = torch.rand(6000, 2, generator=g) * 2 - 1
+    p_ref = (uv[:, :1] * e1 + uv[:, 1:] * e2 + offset).contiguous()
+    heights = torch.logspace(-4, 1, 40).repeat(2) * torch.tensor(
+        [1.0, -1.0]
+    ).repeat_interleave(40)
+    at = torch.rand(80, 2, generator=g) * 2 - 1
+    p_query = at[:, :1] * e1 + at[:, 1:] * e2 + heights[:, None] * normal + offset
+    p_query = p_query.contiguous()
+    d_tree, i_tree = torch.ops.extkernels_fused.knn(p_query, p_ref, 7, 8, "tree")
+    d_grid, i_grid = torch.ops.extkernels_fused.knn(p_query, p_ref, 7, 8, "grid")
+    assert torch.equal(i_tree.sort(1).values, i_grid.sort(1).values)
+    torch.testing.assert_close(d_tree, d_grid, rtol=1e-6, atol=0.0)
+
+
 def _beyond_the_box(device):
     """The outlier cloud, queried on its grid, next to the outlier, between it and the
     cloud, and beyond it: points outside a robust box (the radius walk's grid, the
