@@ -8,7 +8,7 @@
 //   loop over as many as the layout there says, and nothing is read back on the host.
 // - Search: one warp per query. It first takes the 32 points around the query's place
 //   in the Morton order; then the warp tests a node's 32 child boxes at once (a lane
-//   each, and a leaf's disc too) and ranks the ones nearer than the k-th best so far (by
+//   each, and a thin leaf's disc) and ranks the ones nearer than the k-th best so far (by
 //   counting when they are few, with a bitonic network of shuffles when many). Inner
 //   nodes go on a stack in shared memory, nearest on top; the kept leaves of a node are
 //   tested at once, nearest first, their points laid end to end 32 at a time (a leaf
@@ -360,8 +360,9 @@ __global__ void __launch_bounds__(kTreeThreads)
     tree_knn_kernel(const float* q, int64_t m, const Point4* ref, int64_t n,
                     const uint64_t* codes, const int32_t* leaf_start,
                     const NodeBox* nodes, const LeafDisc* discs,
-                    const TreeLayout* layout, const TreeParams* params, int k, float inv_sigma, const float* feats,
-                    int64_t f, float* out, float* values, int64_t* idx) {
+                    const TreeLayout* layout, const TreeParams* params, int k,
+                    float inv_sigma, const float* feats, int64_t f, float* out,
+                    float* values, int64_t* idx) {
   __shared__ TreeEntry stacks[kWarps][kStackSize];
   __shared__ TreeLayout L;
   __shared__ TreeParams P;
