@@ -208,6 +208,7 @@ def test_deterministic_mode_gives_one_answer_or_refuses(ops):
         for op, extra in (
             (ops[0].knn, ()),
             (torch.ops.extkernels_fused.knn, (4, "grid")),
+            (torch.ops.extkernels_fused.knn, (4, "tree")),
         ):
             first = op(q, r, 7, *extra)[1]
             for _ in range(5):
