@@ -39,6 +39,7 @@
 #include "grid.h"
 #include "grid_cuda.cuh"
 #include "radius.h"
+#include "warp.cuh"
 
 namespace extkernels {
 namespace {
@@ -576,13 +577,6 @@ __global__ void __launch_bounds__(kThreads)
     if (c < f) out[row * f + c] = (scalar_t)(total > 0.0f ? acc[t] / (acc_t)total : acc_t(0));
   }
   if (lane == 0) totals[row] = total;
-}
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // The forward of the queries on the `dense` list (dense[0] of them, rows of at most 32

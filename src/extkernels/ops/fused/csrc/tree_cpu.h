@@ -29,8 +29,9 @@ struct Tree {
   TreeParams params;
 };
 
-// The disc of points begin .. end: their mean and normal (in double), then the
-// slab's half-thickness and the cylinder's radius measured as the search measures.
+// The disc of points begin .. end: their mean and covariance (summed in double), the
+// normal from it (patch_normal, in float as on the GPU), then the slab's half-thickness
+// and the cylinder's radius measured as the search measures.
 inline LeafDisc leaf_disc_cpu(const Point4* ref, int64_t begin, int64_t end) {
   double mean[3] = {0.0, 0.0, 0.0}, cov[6] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
   for (int64_t s = begin; s < end; ++s) {

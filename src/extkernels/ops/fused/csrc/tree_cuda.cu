@@ -22,6 +22,7 @@
 
 #include "fused.h"
 #include "tree.h"
+#include "warp.cuh"
 
 namespace extkernels {
 namespace {
@@ -142,18 +143,6 @@ __global__ void layout_kernel(const int32_t* flags, const int32_t* ids, int64_t 
     leaf_start[ids[i]] = (int32_t)n;
     *layout = tree_layout(ids[i]);
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
 }
 
 // Warps over the leaves (as many as the layout says): each leaf's box and disc (its
@@ -484,8 +473,7 @@ __global__ void __launch_bounds__(kTreeThreads)
     total += mine ? w[s] : 0.0f;
   }
   if (SOFTMAX) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(kFull, total, o);
+    total = warp_sum(total);
 #pragma unroll
     for (int s = 0; s < S; ++s) w[s] /= total;
   }
