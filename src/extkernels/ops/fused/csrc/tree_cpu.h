@@ -111,8 +111,9 @@ inline Tree build_tree_cpu(const at::Tensor& p_ref) {
     NodeBox& b = nodes[leaf];
     box_empty(b);
     for (int64_t s = starts[leaf]; s < starts[leaf + 1]; ++s) box_add(b, &ref[s].x, &ref[s].x);
-    discs[leaf] = leaf_disc_cpu(ref, starts[leaf], starts[leaf + 1]);
-    b.thin = disc_is_thin(discs[leaf]);
+    const bool candidate = disc_candidate(starts[leaf + 1] - starts[leaf]);
+    discs[leaf] = candidate ? leaf_disc_cpu(ref, starts[leaf], starts[leaf + 1]) : no_disc();
+    b.thin = candidate ? disc_is_thin(discs[leaf]) : 0.0f;
   }
   for (int l = 1; l < t.layout.levels; ++l) {
     const NodeBox* below = nodes + t.layout.offset[l - 1];

@@ -169,20 +169,23 @@ __global__ void __launch_bounds__(kTreeThreads)
       box_add(b, p, p);
     }
     warp_box(b);
-    LeafDisc disc;
-    for (int a = 0; a < 3; ++a) disc.c[a] = warp_sum(p[a]) / points;
-    float d[3];
-    for (int a = 0; a < 3; ++a) d[a] = mine ? p[a] - disc.c[a] : 0.0f;
-    const float cov[6] = {warp_sum(d[0] * d[0]), warp_sum(d[1] * d[1]),
-                          warp_sum(d[2] * d[2]), warp_sum(d[0] * d[1]),
-                          warp_sum(d[0] * d[2]), warp_sum(d[1] * d[2])};
-    patch_normal(cov, disc.n);
-    float along = 0.0f, across = 0.0f;
-    if (mine) disc_parts(d, disc.n, along, across);
-    disc.t = warp_max(along);
-    disc.r = warp_max(across);
-    if (lane == 0) {
+    LeafDisc disc = no_disc();
+    b.thin = 0.0f;
+    if (disc_candidate((int64_t)points)) {  // the same for the whole warp
+      for (int a = 0; a < 3; ++a) disc.c[a] = warp_sum(p[a]) / points;
+      float d[3];
+      for (int a = 0; a < 3; ++a) d[a] = mine ? p[a] - disc.c[a] : 0.0f;
+      const float cov[6] = {warp_sum(d[0] * d[0]), warp_sum(d[1] * d[1]),
+                            warp_sum(d[2] * d[2]), warp_sum(d[0] * d[1]),
+                            warp_sum(d[0] * d[2]), warp_sum(d[1] * d[2])};
+      patch_normal(cov, disc.n);
+      float along = 0.0f, across = 0.0f;
+      if (mine) disc_parts(d, disc.n, along, across);
+      disc.t = warp_max(along);
+      disc.r = warp_max(across);
       b.thin = disc_is_thin(disc);
+    }
+    if (lane == 0) {
       leaves[leaf] = b;
       discs[leaf] = disc;
     }
