@@ -31,7 +31,9 @@ struct Tree {
 
 // The disc of points begin .. end: their mean and covariance (summed in double), the
 // normal from it (patch_normal, in float as on the GPU), then the slab's half-thickness
-// and the cylinder's radius measured as the search measures.
+// and the cylinder's radius measured as the search measures. No disc where the
+// covariance rules out a thin patch (cov_may_be_thin, on the float values as on the
+// GPU): no_disc is never thin.
 inline LeafDisc leaf_disc_cpu(const Point4* ref, int64_t begin, int64_t end) {
   double mean[3] = {0.0, 0.0, 0.0}, cov[6] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
   for (int64_t s = begin; s < end; ++s) {
@@ -53,6 +55,7 @@ inline LeafDisc leaf_disc_cpu(const Point4* ref, int64_t begin, int64_t end) {
   }
   const float cov32[6] = {(float)cov[0], (float)cov[1], (float)cov[2],
                           (float)cov[3], (float)cov[4], (float)cov[5]};
+  if (!cov_may_be_thin(cov32)) return no_disc();
   patch_normal(cov32, disc.n);
   disc.t = disc.r = 0.0f;
   for (int64_t s = begin; s < end; ++s) {

@@ -178,12 +178,16 @@ __global__ void __launch_bounds__(kTreeThreads)
       const float cov[6] = {warp_sum(d[0] * d[0]), warp_sum(d[1] * d[1]),
                             warp_sum(d[2] * d[2]), warp_sum(d[0] * d[1]),
                             warp_sum(d[0] * d[2]), warp_sum(d[1] * d[2])};
-      patch_normal(cov, disc.n);
-      float along = 0.0f, across = 0.0f;
-      if (mine) disc_parts(d, disc.n, along, across);
-      disc.t = warp_max(along);
-      disc.r = warp_max(across);
-      b.thin = disc_is_thin(disc);
+      if (cov_may_be_thin(cov)) {  // the same for the whole warp (xor sums agree bitwise)
+        patch_normal(cov, disc.n);
+        float along = 0.0f, across = 0.0f;
+        if (mine) disc_parts(d, disc.n, along, across);
+        disc.t = warp_max(along);
+        disc.r = warp_max(across);
+        b.thin = disc_is_thin(disc);
+      } else {
+        disc = no_disc();
+      }
     }
     if (lane == 0) {
       leaves[leaf] = b;
