@@ -35,7 +35,7 @@ inline void check_lanes(int64_t lanes) {
 // are used), node boxes (n_nodes, 8) float32, and the layout and the parameters as
 // bytes. Sized from n only: the number of leaves is known on the device alone.
 struct TreeTensors {
-  at::Tensor ref, codes, leaf_start, nodes, discs, layout, params;
+  at::Tensor ref, codes, leaf_start, nodes, layout, params;
 };
 TreeTensors build_tree_cuda(const at::Tensor& p_ref);
 // The search by the tree: distances (inv_sigma 0) or softmax weights into values, rows

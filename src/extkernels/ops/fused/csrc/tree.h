@@ -67,13 +67,11 @@ EK_HD TreeLayout tree_layout(int64_t leaves) {
 }
 
 // A node's box, 32 bytes (two float4 loads on the GPU): (n_nodes, 8) float32 in memory.
-// A leaf's box also says whether its disc (below) is worth a test: 1 when its points
-// lie in a patch thinner than a quarter of its width, 0 otherwise.
 struct alignas(16) NodeBox {
   float lo[3];
-  float thin;
+  float pad0;
   float hi[3];
-  float pad;
+  float pad1;
 };
 
 // Where the Morton codes are measured: the corner of the cube around the cloud, and
@@ -131,118 +129,6 @@ EK_HD float axis_gap(float q, float lo, float hi) {
   return below > 0.0f ? below : (above > 0.0f ? above : 0.0f);
 }
 
-// A leaf's disc: on a surface, an octree cell's points form a thin patch, but the box
-// of a tilted patch is as deep as it is wide, so a query far above the surface cannot
-// skip the leaves beside its nearest ones (on a sphere of 100,000 points, five times
-// the points of the book's cloud per query, chapter 14). The disc bounds the points
-// by a slab along the patch's normal n (half-thickness t) and a cylinder around it
-// (radius r), both about the leaf's mean c. Any unit n gives a bound; the normal of
-// the points (the covariance's least axis) gives the tightest. 32 bytes (two float4
-// loads on the GPU): (n_leaves, 8) float32 in memory.
-struct alignas(16) LeafDisc {
-  float c[3];
-  float t;
-  float n[3];
-  float r;
-};
-
-// The component of d along n and the length of the rest.
-EK_HD void disc_parts(const float d[3], const float n[3], float& along, float& across) {
-  along = fmaf(d[2], n[2], fmaf(d[1], n[1], d[0] * n[0]));
-  const float e0 = fmaf(-along, n[0], d[0]), e1 = fmaf(-along, n[1], d[1]),
-              e2 = fmaf(-along, n[2], d[2]);
-  across = sqrtf(dist2(e0, e1, e2));
-  along = fabsf(along);
-}
-
-// Which leaves test their disc: those of at least kDiscPoints points whose disc is
-// thinner than kThinDisc of its radius. On a surface most leaves' discs are a hundredth
-// as thick as wide; in a volume (the book's cloud, clusters) a disc is about as thick as
-// wide, except that a leaf of a few points is always flat (three points lie in a plane):
-// its test would cost a load, skip few points, and on the book's cloud slowed the
-// search by a fifth (chapter 14). Other leaves store no disc (no_disc) and never read it.
-constexpr int kDiscPoints = 8;
-constexpr float kThinDisc = 0.15f;
-
-EK_HD bool disc_candidate(int64_t points) { return points >= kDiscPoints; }
-
-EK_HD float disc_is_thin(const LeafDisc& s) { return s.t < kThinDisc * s.r ? 1.0f : 0.0f; }
-
-// The disc of a leaf that has none: infinitely thick and wide, so it bounds nothing.
-EK_HD LeafDisc no_disc() {
-  return LeafDisc{{0.0f, 0.0f, 0.0f}, INFINITY, {0.0f, 0.0f, 1.0f}, INFINITY};
-}
-
-// The bound's slack, relative to the distances involved: covers the rounding of the
-// bound and of the points' own distances (a few units in the last place each), so a
-// point never comes out nearer than the disc that holds it.
-constexpr float kDiscSlack = 4e-5f;
-
-// A lower bound of the squared distance from q to any point of the leaf; 0 where the
-// disc says nothing (q beside it, or values not finite).
-EK_HD float disc_dist2(const float* q, const LeafDisc& s) {
-  const float d[3] = {q[0] - s.c[0], q[1] - s.c[1], q[2] - s.c[2]};
-  float along, across;
-  disc_parts(d, s.n, along, across);
-  along -= s.t;
-  across -= s.r;
-  const float gap = sqrtf(dist2(along > 0.0f ? along : 0.0f, across > 0.0f ? across : 0.0f,
-                                0.0f)) -
-                    kDiscSlack * (sqrtf(dist2(d[0], d[1], d[2])) + s.t + s.r);
-  return gap > 0.0f ? gap * gap : 0.0f;  // NaN (checks off) -> 0: nothing skipped
-}
-
-// The normal of a patch from its covariance (xx, yy, zz, xy, xz, yz about its mean):
-// the largest axis of trace - covariance, by a few steps of power iteration from its
-// largest column, in float (a warp per leaf builds it; the tightness of the bound, not
-// its correctness, depends on the accuracy). Points on a line or at one place give
-// some unit vector: still a bound.
-constexpr int kNormalSteps = 16;
-
-EK_HD void patch_normal(const float cov[6], float n[3]) {
-  const float tr = cov[0] + cov[1] + cov[2];
-  const float m[3][3] = {{tr - cov[0], -cov[3], -cov[4]},
-                         {-cov[3], tr - cov[1], -cov[5]},
-                         {-cov[4], -cov[5], tr - cov[2]}};
-  float v[3] = {m[0][0], m[1][0], m[2][0]};
-  for (int col = 1; col < 3; ++col) {
-    if (dist2(m[0][col], m[1][col], m[2][col]) > dist2(v[0], v[1], v[2])) {
-      for (int i = 0; i < 3; ++i) v[i] = m[i][col];
-    }
-  }
-  for (int it = 0; it < kNormalSteps; ++it) {
-    float w[3];
-    for (int i = 0; i < 3; ++i) w[i] = fmaf(m[i][2], v[2], fmaf(m[i][1], v[1], m[i][0] * v[0]));
-    const float len2 = dist2(w[0], w[1], w[2]);
-    if (!(len2 > 0.0f) || !(len2 < INFINITY)) break;
-    const float inv = 1.0f / sqrtf(len2);
-    for (int i = 0; i < 3; ++i) v[i] = w[i] * inv;
-  }
-  const float len2 = dist2(v[0], v[1], v[2]);
-  const bool ok = len2 > 0.0f && len2 < INFINITY;
-  const float inv = ok ? 1.0f / sqrtf(len2) : 0.0f;
-  for (int i = 0; i < 3; ++i) n[i] = ok ? v[i] * inv : (i == 2 ? 1.0f : 0.0f);
-}
-
-// Whether a leaf's points may lie in a thin patch, from their covariance alone: in a
-// volume almost no leaf is thin, and patch_normal's power iteration made the GPU's
-// leaves three times slower there. With the covariance scaled to trace 1, its
-// determinant over the sum of its principal 2x2 minors lies between a third of its
-// least eigenvalue and that eigenvalue, so a leaf whose ratio reaches kThinCov has no
-// thin axis; it stores no disc, like a leaf under kDiscPoints (the flag only decides
-// which discs are tested). Values not finite, or points on a line: true, as before.
-constexpr float kThinCov = 0.05f;
-
-EK_HD bool cov_may_be_thin(const float cov[6]) {
-  const float s = 1.0f / (cov[0] + cov[1] + cov[2]);
-  const float a = cov[0] * s, b = cov[1] * s, c = cov[2] * s, d = cov[3] * s,
-              e = cov[4] * s, f = cov[5] * s;
-  const float m0 = fmaf(b, c, -f * f), m1 = fmaf(a, c, -e * e), m2 = fmaf(a, b, -d * d);
-  const float p2 = m0 + m1 + m2;
-  const float det = fmaf(a, m0, fmaf(d, fmaf(e, f, -d * c), e * fmaf(d, f, -b * e)));
-  return !(p2 > 0.0f && det >= kThinCov * p2);
-}
-
 // Squared distance from q to the nearest point of a box (0 inside it). Along each axis
 // the gap is a difference of the query and a point's coordinate (the box's faces are
 // points' coordinates), rounded the same way as the points' own differences.
@@ -261,7 +147,7 @@ EK_HD void box_empty(NodeBox& b) {
     b.lo[a] = INFINITY;
     b.hi[a] = -INFINITY;
   }
-  b.thin = b.pad = 0.0f;
+  b.pad0 = b.pad1 = 0.0f;
 }
 
 EK_HD void box_add(NodeBox& b, const float* lo, const float* hi) {

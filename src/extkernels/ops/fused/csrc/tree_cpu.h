@@ -24,49 +24,9 @@ struct Tree {
   at::Tensor ref;         // (n, 4) float32: n Point4 in Morton order
   at::Tensor leaf_start;  // (leaves + 1,) int32: leaf l holds points [start[l], start[l + 1])
   at::Tensor nodes;       // (layout.total, 8) float32: NodeBox per node, level by level
-  at::Tensor discs;       // (leaves, 8) float32: LeafDisc per leaf
   at::Tensor codes;       // (n,) int64: the sorted Morton codes
   TreeParams params;
 };
-
-// The disc of points begin .. end: their mean and covariance (summed in double), the
-// normal from it (patch_normal, in float as on the GPU), then the slab's half-thickness
-// and the cylinder's radius measured as the search measures. No disc where the
-// covariance rules out a thin patch (cov_may_be_thin, on the float values as on the
-// GPU): no_disc is never thin.
-inline LeafDisc leaf_disc_cpu(const Point4* ref, int64_t begin, int64_t end) {
-  double mean[3] = {0.0, 0.0, 0.0}, cov[6] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-  for (int64_t s = begin; s < end; ++s) {
-    mean[0] += ref[s].x;
-    mean[1] += ref[s].y;
-    mean[2] += ref[s].z;
-  }
-  LeafDisc disc;
-  for (int a = 0; a < 3; ++a) disc.c[a] = (float)(mean[a] / (double)(end - begin));
-  for (int64_t s = begin; s < end; ++s) {
-    const double d[3] = {ref[s].x - (double)disc.c[0], ref[s].y - (double)disc.c[1],
-                         ref[s].z - (double)disc.c[2]};
-    cov[0] += d[0] * d[0];
-    cov[1] += d[1] * d[1];
-    cov[2] += d[2] * d[2];
-    cov[3] += d[0] * d[1];
-    cov[4] += d[0] * d[2];
-    cov[5] += d[1] * d[2];
-  }
-  const float cov32[6] = {(float)cov[0], (float)cov[1], (float)cov[2],
-                          (float)cov[3], (float)cov[4], (float)cov[5]};
-  if (!cov_may_be_thin(cov32)) return no_disc();
-  patch_normal(cov32, disc.n);
-  disc.t = disc.r = 0.0f;
-  for (int64_t s = begin; s < end; ++s) {
-    const float d[3] = {ref[s].x - disc.c[0], ref[s].y - disc.c[1], ref[s].z - disc.c[2]};
-    float along, across;
-    disc_parts(d, disc.n, along, across);
-    disc.t = along > disc.t ? along : disc.t;
-    disc.r = across > disc.r ? across : disc.r;
-  }
-  return disc;
-}
 
 inline Tree build_tree_cpu(const at::Tensor& p_ref) {
   const int64_t n = p_ref.size(0);
@@ -108,15 +68,10 @@ inline Tree build_tree_cpu(const at::Tensor& p_ref) {
     const float* x = p + 3 * order[s].second;
     ref[s] = Point4{x[0], x[1], x[2], order[s].second};
   }
-  t.discs = at::empty({leaves, 8}, p_ref.options());
-  auto* discs = reinterpret_cast<LeafDisc*>(t.discs.data_ptr<float>());
   for (int64_t leaf = 0; leaf < leaves; ++leaf) {
     NodeBox& b = nodes[leaf];
     box_empty(b);
     for (int64_t s = starts[leaf]; s < starts[leaf + 1]; ++s) box_add(b, &ref[s].x, &ref[s].x);
-    const bool candidate = disc_candidate(starts[leaf + 1] - starts[leaf]);
-    discs[leaf] = candidate ? leaf_disc_cpu(ref, starts[leaf], starts[leaf + 1]) : no_disc();
-    b.thin = candidate ? disc_is_thin(discs[leaf]) : 0.0f;
   }
   for (int l = 1; l < t.layout.levels; ++l) {
     const NodeBox* below = nodes + t.layout.offset[l - 1];
@@ -142,7 +97,6 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
   const TreeLayout& L = t.layout;
   const auto* ref = reinterpret_cast<const Point4*>(t.ref.data_ptr<float>());
   const auto* nodes = reinterpret_cast<const NodeBox*>(t.nodes.data_ptr<float>());
-  const auto* discs = reinterpret_cast<const LeafDisc*>(t.discs.data_ptr<float>());
   const int32_t* leaf_start = t.leaf_start.data_ptr<int32_t>();
   TreeEntry stack[kStackSize];
   int top = 0;
@@ -185,10 +139,7 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     const float kth = best.worst();
     int kept = 0;
     for (int64_t c = first; c < end; ++c) {
-      float d2 = box_dist2(q, below[c]);
-      if (level == 1 && below[c].thin != 0.0f) {  // a thin leaf: the farther of the two
-        d2 = std::max(d2, disc_dist2(q, discs[c]));
-      }
+      const float d2 = box_dist2(q, below[c]);
       if (d2 < kth) children[kept++] = {d2, c};
     }
     if (work) work->boxes += end - first;

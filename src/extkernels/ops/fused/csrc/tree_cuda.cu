@@ -3,18 +3,18 @@
 // - Build: the cloud's box (partial min/max per block), a Morton code per point, one
 //   radix sort of the codes (CUB); then, from the sorted codes, where each leaf (an
 //   octree cell of at most 32 points) starts, a running count of the starts, each
-//   leaf's box and disc (a warp per leaf, tree.h) and each node's box, level by level
-//   (a warp per node). The number of leaves is known on the device only: the kernels
-//   loop over as many as the layout there says, and nothing is read back on the host.
+//   leaf's box (a warp per leaf) and each node's box, level by level (a warp per node).
+//   The number of leaves is known on the device only: the kernels loop over as many as
+//   the layout there says, and nothing is read back on the host.
 // - Search: one warp per query. It first takes the 32 points around the query's place
 //   in the Morton order; then the warp tests a node's 32 child boxes at once (a lane
-//   each, and a thin leaf's disc) and ranks the ones nearer than the k-th best so far (by
-//   counting when they are few, with a bitonic network of shuffles when many). Inner
-//   nodes go on a stack in shared memory, nearest on top; the kept leaves of a node are
-//   tested at once, nearest first, their points laid end to end 32 at a time (a leaf
-//   holds 12 points on average, so one leaf per step would leave most lanes idle). Each
-//   better point enters a list of the k best that the warp holds, element e in lane e %
-//   32. The softmax and the gather follow in the same kernel.
+//   each) and ranks the ones nearer than the k-th best so far (by counting when they
+//   are few, with a bitonic network of shuffles when many). Inner nodes go on a stack in
+//   shared memory, nearest on top; the kept leaves of a node are tested at once,
+//   nearest first, their points laid end to end 32 at a time (a leaf holds 12 points on
+//   average, so one leaf per step would leave most lanes idle). Each better point
+//   enters a list of the k best that the warp holds, element e in lane e % 32. The
+//   softmax and the gather follow in the same kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -145,54 +145,21 @@ __global__ void layout_kernel(const int32_t* flags, const int32_t* ids, int64_t 
   }
 }
 
-// Warps over the leaves (as many as the layout says): each leaf's box and disc (its
-// points' mean and covariance summed across the warp, a point per lane).
+// Warps over the leaves (as many as the layout says): each leaf's box.
 __global__ void __launch_bounds__(kTreeThreads)
     leaves_kernel(const Point4* ref, const int32_t* leaf_start, const TreeLayout* layout,
-                  NodeBox* leaves, LeafDisc* discs) {
+                  NodeBox* leaves) {
   const int lane = (int)(threadIdx.x & 31u);
   const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
   const int64_t count = layout->count[0];
   for (int64_t leaf = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32; leaf < count;
        leaf += warps) {
     const int64_t s = leaf_start[leaf] + lane;
-    const bool mine = s < leaf_start[leaf + 1];
-    const float points = (float)(leaf_start[leaf + 1] - leaf_start[leaf]);
     NodeBox b;
     box_empty(b);
-    float p[3] = {0.0f, 0.0f, 0.0f};
-    if (mine) {
-      const Point4 q = ref[s];
-      p[0] = q.x;
-      p[1] = q.y;
-      p[2] = q.z;
-      box_add(b, p, p);
-    }
+    if (s < leaf_start[leaf + 1]) box_add(b, &ref[s].x, &ref[s].x);
     warp_box(b);
-    LeafDisc disc = no_disc();
-    b.thin = 0.0f;
-    if (disc_candidate((int64_t)points)) {  // the same for the whole warp
-      for (int a = 0; a < 3; ++a) disc.c[a] = warp_sum(p[a]) / points;
-      float d[3];
-      for (int a = 0; a < 3; ++a) d[a] = mine ? p[a] - disc.c[a] : 0.0f;
-      const float cov[6] = {warp_sum(d[0] * d[0]), warp_sum(d[1] * d[1]),
-                            warp_sum(d[2] * d[2]), warp_sum(d[0] * d[1]),
-                            warp_sum(d[0] * d[2]), warp_sum(d[1] * d[2])};
-      if (cov_may_be_thin(cov)) {  // the same for the whole warp (xor sums agree bitwise)
-        patch_normal(cov, disc.n);
-        float along = 0.0f, across = 0.0f;
-        if (mine) disc_parts(d, disc.n, along, across);
-        disc.t = warp_max(along);
-        disc.r = warp_max(across);
-        b.thin = disc_is_thin(disc);
-      } else {
-        disc = no_disc();
-      }
-    }
-    if (lane == 0) {
-      leaves[leaf] = b;
-      discs[leaf] = disc;
-    }
+    if (lane == 0) leaves[leaf] = b;
   }
 }
 
@@ -218,14 +185,7 @@ __global__ void __launch_bounds__(kTreeThreads)
 __device__ __forceinline__ NodeBox load_box(const NodeBox* nodes, int64_t i) {
   const float4* v = reinterpret_cast<const float4*>(nodes + i);
   const float4 lo = __ldg(v), hi = __ldg(v + 1);
-  return NodeBox{{lo.x, lo.y, lo.z}, lo.w, {hi.x, hi.y, hi.z}, 0.0f};
-}
-
-__device__ __forceinline__ float disc_dist2(const float* q, const LeafDisc* discs,
-                                            int64_t i) {
-  const float4* v = reinterpret_cast<const float4*>(discs + i);
-  const float4 c = __ldg(v), n = __ldg(v + 1);
-  return disc_dist2(q, LeafDisc{{c.x, c.y, c.z}, c.w, {n.x, n.y, n.z}, n.w});
+  return NodeBox{{lo.x, lo.y, lo.z}, 0.0f, {hi.x, hi.y, hi.z}, 0.0f};
 }
 
 // Sorts (key, val) ascending across the warp, ties by val: 15 compare-exchange steps.
@@ -355,10 +315,9 @@ template <int S, bool SOFTMAX>
 __global__ void __launch_bounds__(kTreeThreads)
     tree_knn_kernel(const float* q, int64_t m, const Point4* ref, int64_t n,
                     const uint64_t* codes, const int32_t* leaf_start,
-                    const NodeBox* nodes, const LeafDisc* discs,
-                    const TreeLayout* layout, const TreeParams* params, int k,
-                    float inv_sigma, const float* feats, int64_t f, float* out,
-                    float* values, int64_t* idx) {
+                    const NodeBox* nodes, const TreeLayout* layout,
+                    const TreeParams* params, int k, float inv_sigma, const float* feats,
+                    int64_t f, float* out, float* values, int64_t* idx) {
   __shared__ TreeEntry stacks[kWarps][kStackSize];
   __shared__ TreeLayout L;
   __shared__ TreeParams P;
@@ -427,14 +386,7 @@ __global__ void __launch_bounds__(kTreeThreads)
       // The node's children, a lane each: the ones nearer than the k-th best, ranked.
       const int64_t c = node * kFanout + lane;
       float cd = INFINITY;
-      if (c < L.count[level - 1]) {
-        const NodeBox box = load_box(nodes, L.offset[level - 1] + c);
-        cd = box_dist2(qp, box);
-        if (level == 1 && box.thin != 0.0f) {  // a thin leaf: the farther of the two
-          const float dd = disc_dist2(qp, discs, c);
-          cd = cd < dd ? dd : cd;
-        }
-      }
+      if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
       const unsigned kept = __ballot_sync(kFull, cd < kth);
       if (!kept) continue;
       const int n_kept = __popc(kept);
@@ -566,11 +518,9 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   // Launched for a typical number of leaves (a ninth of the points); the warps loop
   // over as many as the layout holds.
   const int leaf_blocks = blocks_for(std::max<int64_t>(1, n / 8) * 32, kTreeThreads);
-  t.discs = at::empty({most.count[0], 8}, p_ref.options());
   leaves_kernel<<<leaf_blocks, kTreeThreads, 0, stream>>>(
       reinterpret_cast<const Point4*>(t.ref.data_ptr<float>()),
-      t.leaf_start.data_ptr<int32_t>(), layout, nodes,
-      reinterpret_cast<LeafDisc*>(t.discs.data_ptr<float>()));
+      t.leaf_start.data_ptr<int32_t>(), layout, nodes);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (int l = 1; l < most.levels; ++l) {
     const int64_t typical = std::max<int64_t>(1, most.count[l] / 8);
@@ -598,7 +548,6 @@ void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k
       p_query.data_ptr<float>(), m, ref, n,                                           \
       reinterpret_cast<const uint64_t*>(t.codes.data_ptr<int64_t>()),                 \
       t.leaf_start.data_ptr<int32_t>(), nodes,                                        \
-      reinterpret_cast<const LeafDisc*>(t.discs.data_ptr<float>()),                   \
       reinterpret_cast<const TreeLayout*>(t.layout.data_ptr<uint8_t>()),              \
       reinterpret_cast<const TreeParams*>(t.params.data_ptr<uint8_t>()), (int)k,      \
       inv_sigma, x, f, o, values.data_ptr<float>(), indices.data_ptr<int64_t>())
