@@ -1,5 +1,5 @@
-// Reductions across the 32 lanes of a warp, shared by the fused backend's CUDA kernels:
-// a butterfly of shuffles, so every lane ends with the result, added in the same order
+// A sum across the 32 lanes of a warp, shared by the fused backend's CUDA kernels: a
+// butterfly of shuffles, so every lane ends with the result, added in the same order
 // on every call.
 #pragma once
 
@@ -10,12 +10,6 @@ template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
