@@ -134,6 +134,19 @@ def test_execute_runs_in_the_notebook_folder(executed):
     assert os.path.samefile(cells[2].outputs[0]["text"].strip(), folder)
 
 
+def test_execute_stores_figures_when_the_caller_chose_a_script_backend(tmp_path):
+    # MPLBACKEND=Agg suits the scripts the GPU machine runs; the notebooks' kernel must
+    # still draw inline, or the chapters lose their figures.
+    path = _write_notebook(
+        tmp_path / "fig.ipynb",
+        "import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0]);",
+    )
+    proc = _command("extkernels.execute", str(path), cwd=tmp_path, MPLBACKEND="Agg")
+    assert proc.returncode == 0, proc.stderr
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    assert any("image/png" in o.get("data", {}) for o in outputs), outputs
+
+
 def test_execute_failing_notebook_exits_non_zero_and_leaves_file_unchanged(tmp_path):
     path = _write_notebook(tmp_path / "bad.ipynb", "x = 1", "raise ValueError('boom')")
     before = path.read_bytes()

@@ -13,6 +13,7 @@ this command on the GPU machine named in each chapter.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,8 +49,12 @@ def execute(path: Path, *, timeout: int, kernel: str) -> float:
         kernel_name=kernel,
         resources={"metadata": {"path": str(path.parent)}},
     )
+    # The kernel inherits this process's environment. A matplotlib backend chosen for
+    # scripts (MPLBACKEND=Agg) would override the kernel's inline backend and leave
+    # every figure out of the stored outputs, so the kernel starts without it.
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     start = time.perf_counter()
-    client.execute()
+    client.execute(env=env)
     seconds = time.perf_counter() - start
     nbformat.write(nb, path)
     return seconds
