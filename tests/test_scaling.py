@@ -171,8 +171,16 @@ def test_stops_name_the_sizes_in_words_and_quote_the_brute_force():
 def test_memory_table_is_against_points_in_words():
     table = scaling.memory_table(_measured(_sweeps()))
     assert table.index.names == ["workload", "points N"]
-    assert table.loc[("kNN", 1000), "fused"] == 100.0
-    assert math.isnan(table.loc[("kNN", 1000), "torch"])  # ran out of memory
+    assert table.loc[("kNN", 1000), "fused"] == "100"
+    assert table.loc[("kNN", 1000), "torch"] == "–"  # ran out of memory
+
+
+def test_readable_rounds_separates_thousands_and_marks_what_is_missing():
+    table = pd.DataFrame({"a": [0.4712, math.nan], "b": [41211.4, 2.0]})
+    assert scaling.readable(table, 2).values.tolist() == [
+        ["0.47", "41,211.40"],
+        ["–", "2.00"],
+    ]
 
 
 def test_slope_and_variant_quotes_use_the_names_the_prose_reads():

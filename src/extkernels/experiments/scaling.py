@@ -28,6 +28,7 @@ __all__ = [
     "crossover",
     "memory_panels",
     "memory_table",
+    "readable",
     "pays_from",
     "size_column",
     "size_quotes",
@@ -326,16 +327,20 @@ def memory_panels(measured: pd.DataFrame, *, hardware: str):
     return fig
 
 
+def readable(table: pd.DataFrame, decimals: int) -> pd.DataFrame:
+    """``table`` as a page shows it: each number with ``decimals`` places and its
+    thousands separated, ``"–"`` where there is none (a backend without that workload,
+    or a curve that stopped before that size)."""
+    return table.map(lambda v: "–" if pd.isna(v) else f"{v:,.{decimals}f}")
+
+
 def memory_table(measured: pd.DataFrame) -> pd.DataFrame:
     """Chapter 12's peak MiB against N: a row per (workload, points N), a column per
-    backend, rounded to whole MiB."""
-    return (
-        _memory(measured)
-        .pivot_table(
-            index=["workload", "points N"], columns="backend", values="peak MiB"
-        )
-        .round(0)
+    backend, in whole MiB (:func:`readable`)."""
+    table = _memory(measured).pivot_table(
+        index=["workload", "points N"], columns="backend", values="peak MiB"
     )
+    return readable(table, 0)
 
 
 def stops(measured: pd.DataFrame) -> pd.DataFrame:
