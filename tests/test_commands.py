@@ -10,6 +10,7 @@ import nbformat
 import pytest
 import torch
 
+from extkernels import execute as execute_command
 from extkernels import variants as V
 
 pytestmark = pytest.mark.slow
@@ -145,6 +146,34 @@ def test_execute_stores_figures_when_the_caller_chose_a_script_backend(tmp_path)
     assert proc.returncode == 0, proc.stderr
     outputs = nbformat.read(path, as_version=4).cells[0].outputs
     assert any("image/png" in o.get("data", {}) for o in outputs), outputs
+
+
+def _captioned(source):
+    cell = nbformat.v4.new_code_cell(source)
+    cell.metadata["mystnb"] = {"figure": {"caption": "A figure."}}
+    return cell
+
+
+def test_execute_refuses_a_captioned_cell_that_drew_no_figure(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [_captioned("x = 1  # draws nothing")]
+    path = tmp_path / "nofig.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_bytes()
+    proc = _command("extkernels.execute", str(path), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "drew no figure" in proc.stderr
+    assert path.read_bytes() == before
+
+
+def test_missing_figures_accepts_a_figure_or_a_skip_message():
+    nb = nbformat.v4.new_notebook()
+    drawn, skipped, empty = (_captioned("") for _ in range(3))
+    drawn.outputs = [nbformat.v4.new_output("display_data", {"image/png": "iVBO"})]
+    skip = nbformat.v4.new_output("stream", name="stdout", text="skipped: no GPU")
+    skipped.outputs = [skip]
+    nb.cells = [drawn, skipped, empty, nbformat.v4.new_code_cell("")]
+    assert execute_command.missing_figures(nb) == [2]
 
 
 def test_execute_failing_notebook_exits_non_zero_and_leaves_file_unchanged(tmp_path):

@@ -6,8 +6,10 @@
 
 Each notebook runs in a fresh kernel with its own folder as working directory. A cell
 that raises stops that notebook, which is then left untouched on disk, and the command
-exits non-zero after trying the rest. The stored outputs of the book are produced by
-this command on the GPU machine named in each chapter.
+exits non-zero after trying the rest; so does a cell with a figure caption
+(``mystnb.figure`` in its metadata) that drew no figure and printed no "skipped"
+message. The stored outputs of the book are produced by this command on the GPU
+machine named in each chapter.
 """
 
 from __future__ import annotations
@@ -22,7 +24,26 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-__all__ = ["execute", "main"]
+__all__ = ["MissingFigureError", "execute", "main", "missing_figures"]
+
+
+class MissingFigureError(RuntimeError):
+    """A cell that should hold a figure (it has a caption) holds none."""
+
+
+def missing_figures(nb: nbformat.NotebookNode) -> list[int]:
+    """Indices of the code cells with a figure caption whose outputs hold no PNG and
+    no message that the figure was skipped (a GPU-only figure on a CPU)."""
+    missing = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or "figure" not in cell.metadata.get("mystnb", {}):
+            continue
+        outputs = cell.get("outputs", [])
+        drawn = any("image/png" in o.get("data", {}) for o in outputs)
+        text = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
+        if not drawn and not text.lstrip().startswith("skipped"):
+            missing.append(i)
+    return missing
 
 
 def _notebooks(paths: list[str]) -> list[Path]:
@@ -41,7 +62,8 @@ def _notebooks(paths: list[str]) -> list[Path]:
 
 def execute(path: Path, *, timeout: int, kernel: str) -> float:
     """Execute one notebook in place; returns seconds taken. Raises on a failing
-    cell."""
+    cell, or on a captioned cell without its figure (:func:`missing_figures`); the file
+    is then left as it was."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -56,6 +78,8 @@ def execute(path: Path, *, timeout: int, kernel: str) -> float:
     start = time.perf_counter()
     client.execute(env=env)
     seconds = time.perf_counter() - start
+    if missing := missing_figures(nb):
+        raise MissingFigureError(f"cells {missing} of {path} drew no figure")
     nbformat.write(nb, path)
     return seconds
 
@@ -80,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executing {path} ...", flush=True)
         try:
             seconds = execute(path, timeout=args.timeout, kernel=args.kernel)
-        except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
+        except (
+            CellExecutionError,
+            CellTimeoutError,
+            DeadKernelError,
+            MissingFigureError,
+        ) as err:
             print(f"FAILED {path}:\n{err}", file=sys.stderr, flush=True)
             failed.append(path)
             continue
