@@ -124,6 +124,19 @@ def test_notebook_executed_in_order(path):
     assert counts == sorted(counts), f"{path.name}: cells were executed out of order"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_captioned_cells_store_their_figure(path):
+    # A cell with a figure caption must store its PNG (or a "skipped" message), as the
+    # execution command demands: without it the page shows a caption under nothing.
+    from extkernels.execute import missing_figures
+
+    missing = missing_figures(nbformat.read(path, as_version=4))
+    assert not missing, (
+        f"{path.name}: captioned cells {missing} store no image/png and no 'skipped' "
+        "message; re-execute the chapter"
+    )
+
+
 def test_committed_files_are_small():
     big = [
         (f.relative_to(ROOT), f.stat().st_size)
