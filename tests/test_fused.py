@@ -250,6 +250,31 @@ def test_the_knn_search_finds_points_beyond_a_robust_box(index):
     assert (i[-6:-3] == p_ref[:, 0].argmax()).any(1).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_queries_too_long_for_one_warp_are_finished_exactly_and_alike_every_call():
+    """Near the centre of a hollow shell some walks take hundreds of steps (the CPU
+    replay shows them), more than one warp is given before a team of warps takes the
+    query over: the search stays exact, the aggregation equals the grid's, and two
+    calls return the same neighbours."""
+    from extkernels import clouds, reference
+
+    fused.prepare()
+    w = clouds.workload("shell", 100_000, side=12)
+    work = fused.knn_work(w.p_query, w.p_ref, 7, index="tree").double()
+    steps = work.sum(1) / 32  # a step tests a node's 32 children or 32 points
+    assert steps.max() > 256, steps.max()
+    q, p = w.p_query.cuda(), w.p_ref.cuda()
+    d, i = torch.ops.extkernels_fused.knn(q, p, 7, 8, "tree")
+    assert reference.validate_knn(q, p, d, i, 7, atol=1e-5)
+    again = torch.ops.extkernels_fused.knn(q, p, 7, 8, "tree")
+    assert torch.equal(i, again[1]) and torch.equal(d, again[0])
+    feats = torch.randn(p.shape[0], 25, device="cuda")
+    tree = torch.ops.extkernels_fused.knn_aggregate_fwd(q, p, feats, 7, 0.1, 8, "tree")
+    grid = torch.ops.extkernels_fused.knn_aggregate_fwd(q, p, feats, 7, 0.1, 8, "grid")
+    torch.testing.assert_close(tree[0], grid[0], rtol=1e-5, atol=1e-6)
+
+
 def test_the_tree_search_is_exact_on_every_cloud():
     from extkernels import clouds, reference
 

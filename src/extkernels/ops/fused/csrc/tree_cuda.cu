@@ -15,9 +15,14 @@
 //   average, so one leaf per step would leave most lanes idle). Each better point
 //   enters a list of the k best that the warp holds, element e in lane e % 32. The
 //   softmax and the gather follow in the same kernel.
+// - Heavy queries: a query that has not finished after kHeavySteps steps (near the
+//   centre of a hollow shell, every point of it is nearly as far as the nearest) goes
+//   on a list that a second kernel works through with a team of warps per query, so
+//   that one warp's long walk does not hold up the kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <climits>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "fused.h"
@@ -247,18 +252,19 @@ __device__ __forceinline__ T list_get(const T (&v)[S], int e) {
 }
 
 // Each lane's point (squared distance pd, row pi; infinity for none) that beats the
-// warp's k-th best enters the list, one at a time; kth follows the list.
+// warp's k-th best enters the list, one at a time; kth follows the list, never above
+// cap (a bound known in advance, see tree_heavy_kernel; infinity otherwise).
 template <int S>
 __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
-                                            int32_t (&id)[S], float& kth, int k,
-                                            int lane) {
+                                            int32_t (&id)[S], float& kth, float cap,
+                                            int k, int lane) {
   for (unsigned better = __ballot_sync(kFull, pd < kth); better; better &= better - 1) {
     const int src = __ffs(better) - 1;
     const float c = __shfl_sync(kFull, pd, src);
     const int32_t ci = __shfl_sync(kFull, pi, src);
     if (c < kth) {
       list_insert<S>(d, id, c, ci, lane);
-      kth = list_get<S>(d, k - 1);
+      kth = fminf(cap, list_get<S>(d, k - 1));
     }
   }
 }
@@ -274,8 +280,8 @@ template <int S>
 __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
                                             const int32_t* leaf_start, TreeEntry leaf,
                                             int n_leaves, int64_t guess, float (&d)[S],
-                                            int32_t (&id)[S], float& kth, int k,
-                                            int lane) {
+                                            int32_t (&id)[S], float& kth, float cap,
+                                            int k, int lane) {
   int32_t begin = 0, count = 0;
   if (lane < n_leaves) {
     begin = leaf_start[leaf.key];
@@ -307,7 +313,120 @@ __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
       pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
       pi = p.index;
     }
-    take_better<S>(pd, pi, d, id, kth, k, lane);
+    take_better<S>(pd, pi, d, id, kth, cap, k, lane);
+  }
+}
+
+// Steps (stack entries taken) a query's warp takes before it hands the query to
+// tree_heavy_kernel. A query on the book's cloud takes about 20; near the centre of a
+// hollow shell, where every point of the shell is nearly as far as the nearest, a few
+// take hundreds, and one warp's steps, each waiting for memory, make the kernel wait.
+constexpr int kHeavySteps = 128;
+// Warps that share one heavy query, each searching its own part of the tree.
+constexpr int kTeam = 8;
+constexpr int kTeamThreads = 32 * kTeam;
+
+// The descent from the stack: nearest box first, skipping every box no nearer than the
+// k-th best. Returns false, with entries left on the stack, after `budget` steps.
+template <int S>
+__device__ __forceinline__ bool descend(const float* qp, const Point4* ref,
+                                        const int32_t* leaf_start, const NodeBox* nodes,
+                                        const TreeLayout& L, TreeEntry* stack, int& top,
+                                        int64_t guess, float (&d)[S], int32_t (&id)[S],
+                                        float& kth, float cap, int k, int lane,
+                                        int budget) {
+  for (int steps = 0; top > 0; ++steps) {
+    if (steps == budget) return false;
+    const TreeEntry e = stack[--top];
+    __syncwarp();  // every lane has read it before any lane pushes over it
+    if (!(e.d2 < kth)) continue;
+    const int level = e.key % kMaxLevels;
+    const int64_t node = e.key / kMaxLevels;
+    TreeEntry leaf{0, INFINITY};  // lane i: the i-th nearest leaf to test, or none
+    int n_leaves = 1;
+    if (level == 0) {  // a leaf alone (the root of a small tree, or a heavy query's share)
+      if (lane == 0) leaf = TreeEntry{(int32_t)node, e.d2};
+    } else {
+      // The node's children, a lane each: the ones nearer than the k-th best, ranked.
+      const int64_t c = node * kFanout + lane;
+      float cd = INFINITY;
+      if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
+      const unsigned kept = __ballot_sync(kFull, cd < kth);
+      if (!kept) continue;
+      const int n_kept = __popc(kept);
+      float key = cd < kth ? cd : INFINITY;
+      int32_t child = (int32_t)c;
+      bool mine = cd < kth;
+      int rank = 0;
+      if (n_kept > kRankLimit) {  // many: a sorting network
+        bitonic_sort(key, child, lane);
+        mine = lane < n_kept;
+        rank = lane;
+      } else {  // few: each counts the ones before it
+        for (unsigned rest = kept; rest; rest &= rest - 1) {
+          const int src = __ffs(rest) - 1;
+          const float other = __shfl_sync(kFull, key, src);
+          const int32_t other_child = __shfl_sync(kFull, child, src);
+          rank += other < key || (other == key && other_child < child);
+        }
+      }
+      if (level > 1) {  // inner nodes wait on the stack, the nearest on top
+        if (mine) stack[top + n_kept - 1 - rank] = TreeEntry{entry_key(child, level - 1), key};
+        top += n_kept;
+        __syncwarp();
+        continue;
+      }
+      // Leaves are tested at once: lane i takes the i-th nearest.
+      if (mine) stack[top + rank] = TreeEntry{child, key};
+      __syncwarp();
+      if (lane < n_kept) leaf = stack[top + lane];
+      n_leaves = n_kept;
+      __syncwarp();
+    }
+    test_leaves<S>(qp, ref, leaf_start, leaf, n_leaves, guess, d, id, kth, cap, k, lane);
+  }
+  return true;
+}
+
+// The k best of a warp's list, as distances or softmax weights, and with features the
+// weighted sum of their rows.
+template <int S, bool SOFTMAX>
+__device__ __forceinline__ void finish(const float (&d)[S], const int32_t (&id)[S],
+                                       int64_t row, int k, float inv_sigma,
+                                       const float* feats, int64_t f, float* out,
+                                       float* values, int64_t* idx, int lane) {
+  const float nearest = sqrtf(__shfl_sync(kFull, d[0], 0));
+  float w[S], total = 0.0f;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const float dist = sqrtf(d[s]);
+    const bool mine = s * 32 + lane < k;
+    w[s] = SOFTMAX ? (mine ? __expf((nearest - dist) * inv_sigma) : 0.0f) : dist;
+    total += mine ? w[s] : 0.0f;
+  }
+  if (SOFTMAX) {
+    total = warp_sum(total);
+#pragma unroll
+    for (int s = 0; s < S; ++s) w[s] /= total;
+  }
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const int e = s * 32 + lane;
+    if (e < k) {
+      values[row * k + e] = w[s];
+      idx[row * k + e] = id[s];
+    }
+  }
+  if (feats == nullptr) return;
+  for (int64_t c0 = 0; c0 < f; c0 += 32) {
+    const int64_t c = c0 + lane;
+    float acc = 0.0f;
+    for (int e = 0; e < k; ++e) {
+      const float we = list_get<S>(w, e);
+      const int32_t ie = list_get<S>(id, e);
+      if (ie >= 0 && c < f) acc += we * __ldg(feats + (int64_t)ie * f + c);
+    }
+    if (c < f) out[row * f + c] = acc;
   }
 }
 
@@ -317,7 +436,8 @@ __global__ void __launch_bounds__(kTreeThreads)
                     const uint64_t* codes, const int32_t* leaf_start,
                     const NodeBox* nodes, const TreeLayout* layout,
                     const TreeParams* params, int k, float inv_sigma, const float* feats,
-                    int64_t f, float* out, float* values, int64_t* idx) {
+                    int64_t f, float* out, float* values, int64_t* idx, int32_t* heavy,
+                    int32_t* n_heavy) {
   __shared__ TreeEntry stacks[kWarps][kStackSize];
   __shared__ TreeLayout L;
   __shared__ TreeParams P;
@@ -367,93 +487,107 @@ __global__ void __launch_bounds__(kTreeThreads)
       pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
       pi = p.index;
     }
-    take_better<S>(pd, pi, d, id, kth, k, lane);
+    take_better<S>(pd, pi, d, id, kth, INFINITY, k, lane);
     if (lane == 0) stack[0] = TreeEntry{entry_key(0, L.levels - 1), 0.0f};
     top = 1;
   }
   __syncwarp();
-  while (top > 0) {
-    const TreeEntry e = stack[--top];
-    __syncwarp();  // every lane has read it before any lane pushes over it
-    if (!(e.d2 < kth)) continue;
-    const int level = e.key % kMaxLevels;
-    const int64_t node = e.key / kMaxLevels;
-    TreeEntry leaf{0, INFINITY};  // lane i: the i-th nearest leaf to test, or none
-    int n_leaves = 1;
-    if (level == 0) {  // the root is a leaf (32 points or fewer)
-      if (lane == 0) leaf = TreeEntry{(int32_t)node, e.d2};
-    } else {
-      // The node's children, a lane each: the ones nearer than the k-th best, ranked.
-      const int64_t c = node * kFanout + lane;
-      float cd = INFINITY;
-      if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
-      const unsigned kept = __ballot_sync(kFull, cd < kth);
-      if (!kept) continue;
-      const int n_kept = __popc(kept);
-      float key = cd < kth ? cd : INFINITY;
-      int32_t child = (int32_t)c;
-      bool mine = cd < kth;
-      int rank = 0;
-      if (n_kept > kRankLimit) {  // many: a sorting network
-        bitonic_sort(key, child, lane);
-        mine = lane < n_kept;
-        rank = lane;
-      } else {  // few: each counts the ones before it
-        for (unsigned rest = kept; rest; rest &= rest - 1) {
-          const int src = __ffs(rest) - 1;
-          const float other = __shfl_sync(kFull, key, src);
-          const int32_t other_child = __shfl_sync(kFull, child, src);
-          rank += other < key || (other == key && other_child < child);
+  if (!descend<S>(qp, ref, leaf_start, nodes, L, stack, top, guess, d, id, kth, INFINITY,
+                  k, lane, kHeavySteps)) {
+    // Too long for one warp: the query goes on the heavy list, with the k-th distance
+    // found so far (parked in its first value), for a team of warps to finish.
+    if (lane == 0) {
+      heavy[atomicAdd(n_heavy, 1)] = (int32_t)row;
+      values[row * k] = kth;
+    }
+    return;
+  }
+  finish<S, SOFTMAX>(d, id, row, k, inv_sigma, feats, f, out, values, idx, lane);
+}
+
+// The heavy queries, a block of kTeam warps each: the nodes of the highest level with
+// at least kTeam of them are dealt out to the warps, every warp searches its share with
+// a list of its own, bounded from the start by the k-th distance the first kernel had
+// found (taken as an upper bound: every point at most that far is looked at), and one
+// warp merges the lists, in warp order, into the k best. The lists never race, so the
+// result is the same on every call. The blocks loop over the list, whose length is
+// known on the device only.
+template <int S, bool SOFTMAX>
+__global__ void __launch_bounds__(kTeamThreads)
+    tree_heavy_kernel(const float* q, const Point4* ref, const int32_t* leaf_start,
+                      const NodeBox* nodes, const TreeLayout* layout, int k,
+                      float inv_sigma, const float* feats, int64_t f, float* out,
+                      float* values, int64_t* idx, const int32_t* heavy,
+                      const int32_t* n_heavy) {
+  __shared__ TreeEntry stacks[kTeam][kStackSize];
+  __shared__ float lists_d[kTeam][32 * S];
+  __shared__ int32_t lists_id[kTeam][32 * S];
+  __shared__ TreeLayout L;
+  if (threadIdx.x == 0) L = *layout;
+  __syncthreads();
+  const int warp = (int)(threadIdx.x / 32), lane = (int)(threadIdx.x & 31u);
+  TreeEntry* stack = stacks[warp];
+  // The level dealt out: the highest with at least kTeam nodes (so that the next one up
+  // has fewer, and each warp's share is under kFanout), or the leaves.
+  int level = 0;
+  for (int l = L.levels - 1; l > 0; --l) {
+    if (L.count[l] >= kTeam) {
+      level = l;
+      break;
+    }
+  }
+  const int count = *n_heavy;
+  for (int h = blockIdx.x; h < count; h += gridDim.x) {
+    const int64_t row = heavy[h];
+    const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+    const float cap = nextafterf(values[row * k], INFINITY);
+    float d[S];
+    int32_t id[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      d[s] = INFINITY;
+      id[s] = -1;
+    }
+    float kth = cap;
+    // The warp's share, lane i its i-th node, pushed nearest on top.
+    const int64_t node = warp + (int64_t)lane * kTeam;
+    float key = INFINITY;
+    if (node < L.count[level]) {
+      key = box_dist2(qp, load_box(nodes, L.offset[level] + node));
+      key = key < cap ? key : INFINITY;
+    }
+    const int n_kept = __popc(__ballot_sync(kFull, key < INFINITY));
+    int32_t mine = (int32_t)node;
+    bitonic_sort(key, mine, lane);
+    if (lane < n_kept) stack[n_kept - 1 - lane] = TreeEntry{entry_key(mine, level), key};
+    int top = n_kept;
+    __syncwarp();
+    descend<S>(qp, ref, leaf_start, nodes, L, stack, top, -2 * kFanout, d, id, kth, cap, k,
+               lane, INT_MAX);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const bool in = s * 32 + lane < k;
+      lists_d[warp][s * 32 + lane] = in ? d[s] : INFINITY;
+      lists_id[warp][s * 32 + lane] = in ? id[s] : -1;
+    }
+    __syncthreads();  // every list written, and every warp done with values[row * k]
+    if (warp == 0) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        d[s] = INFINITY;
+        id[s] = -1;
+      }
+      kth = INFINITY;
+      for (int w = 0; w < kTeam; ++w) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          take_better<S>(lists_d[w][s * 32 + lane], lists_id[w][s * 32 + lane], d, id, kth,
+                         INFINITY, k, lane);
         }
       }
-      if (level > 1) {  // inner nodes wait on the stack, the nearest on top
-        if (mine) stack[top + n_kept - 1 - rank] = TreeEntry{entry_key(child, level - 1), key};
-        top += n_kept;
-        __syncwarp();
-        continue;
-      }
-      // Leaves are tested at once: lane i takes the i-th nearest.
-      if (mine) stack[top + rank] = TreeEntry{child, key};
-      __syncwarp();
-      if (lane < n_kept) leaf = stack[top + lane];
-      n_leaves = n_kept;
-      __syncwarp();
+      finish<S, SOFTMAX>(d, id, row, k, inv_sigma, feats, f, out, values, idx, lane);
     }
-    test_leaves<S>(qp, ref, leaf_start, leaf, n_leaves, guess, d, id, kth, k, lane);
-  }
-  // The k best, as distances or softmax weights.
-  const float nearest = sqrtf(__shfl_sync(kFull, d[0], 0));
-  float w[S], total = 0.0f;
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    const float dist = sqrtf(d[s]);
-    const bool mine = s * 32 + lane < k;
-    w[s] = SOFTMAX ? (mine ? __expf((nearest - dist) * inv_sigma) : 0.0f) : dist;
-    total += mine ? w[s] : 0.0f;
-  }
-  if (SOFTMAX) {
-    total = warp_sum(total);
-#pragma unroll
-    for (int s = 0; s < S; ++s) w[s] /= total;
-  }
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    const int e = s * 32 + lane;
-    if (e < k) {
-      values[row * k + e] = w[s];
-      idx[row * k + e] = id[s];
-    }
-  }
-  if (feats == nullptr) return;
-  for (int64_t c0 = 0; c0 < f; c0 += 32) {
-    const int64_t c = c0 + lane;
-    float acc = 0.0f;
-    for (int e = 0; e < k; ++e) {
-      const float we = list_get<S>(w, e);
-      const int32_t ie = list_get<S>(id, e);
-      if (ie >= 0 && c < f) acc += we * __ldg(feats + (int64_t)ie * f + c);
-    }
-    if (c < f) out[row * f + c] = acc;
+    __syncthreads();  // the lists are read before the next query overwrites them
   }
 }
 
@@ -542,15 +676,33 @@ void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k
   const int64_t f = feats ? feats->size(1) : 0;
   const auto* ref = reinterpret_cast<const Point4*>(t.ref.data_ptr<float>());
   const auto* nodes = reinterpret_cast<const NodeBox*>(t.nodes.data_ptr<float>());
+  // The heavy list: the queries the first kernel hands on, and their number.
+  auto ints = p_query.options().dtype(at::kInt);
+  at::Tensor heavy = at::empty({std::max<int64_t>(m, 1)}, ints);
+  at::Tensor n_heavy = at::zeros({1}, ints);
   const int blocks = blocks_for(m, kWarps);
+  // The heavy kernel's blocks loop over the list: two per multiprocessor at most.
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                        c10::cuda::current_device()));
+  const int team_blocks = 2 * sms;
+  const auto* tree_layout = reinterpret_cast<const TreeLayout*>(t.layout.data_ptr<uint8_t>());
 #define EK_TREE_LAUNCH(S, SOFTMAX)                                                    \
+  do {                                                                                \
   tree_knn_kernel<S, SOFTMAX><<<blocks, kTreeThreads, 0, stream>>>(                  \
       p_query.data_ptr<float>(), m, ref, n,                                           \
       reinterpret_cast<const uint64_t*>(t.codes.data_ptr<int64_t>()),                 \
-      t.leaf_start.data_ptr<int32_t>(), nodes,                                        \
-      reinterpret_cast<const TreeLayout*>(t.layout.data_ptr<uint8_t>()),              \
+      t.leaf_start.data_ptr<int32_t>(), nodes, tree_layout,                           \
       reinterpret_cast<const TreeParams*>(t.params.data_ptr<uint8_t>()), (int)k,      \
-      inv_sigma, x, f, o, values.data_ptr<float>(), indices.data_ptr<int64_t>())
+      inv_sigma, x, f, o, values.data_ptr<float>(), indices.data_ptr<int64_t>(),      \
+      heavy.data_ptr<int32_t>(), n_heavy.data_ptr<int32_t>());                        \
+  C10_CUDA_KERNEL_LAUNCH_CHECK();                                                     \
+  tree_heavy_kernel<S, SOFTMAX><<<team_blocks, kTeamThreads, 0, stream>>>(           \
+      p_query.data_ptr<float>(), ref, t.leaf_start.data_ptr<int32_t>(), nodes,        \
+      tree_layout, (int)k, inv_sigma, x, f, o, values.data_ptr<float>(),              \
+      indices.data_ptr<int64_t>(), heavy.data_ptr<int32_t>(),                         \
+      n_heavy.data_ptr<int32_t>());                                                   \
+  } while (0)
   if (k <= 32) {
     if (inv_sigma > 0.0f) EK_TREE_LAUNCH(1, true); else EK_TREE_LAUNCH(1, false);
   } else {
