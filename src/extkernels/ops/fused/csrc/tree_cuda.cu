@@ -681,11 +681,11 @@ void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k
   at::Tensor heavy = at::empty({std::max<int64_t>(m, 1)}, ints);
   at::Tensor n_heavy = at::zeros({1}, ints);
   const int blocks = blocks_for(m, kWarps);
-  // The heavy kernel's blocks loop over the list: two per multiprocessor at most.
+  // The heavy kernel's blocks loop over the list: four per multiprocessor.
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
                                         c10::cuda::current_device()));
-  const int team_blocks = 2 * sms;
+  const int team_blocks = 4 * sms;
   const auto* tree_layout = reinterpret_cast<const TreeLayout*>(t.layout.data_ptr<uint8_t>());
 #define EK_TREE_LAUNCH(S, SOFTMAX)                                                    \
   do {                                                                                \
