@@ -176,6 +176,34 @@ def test_missing_figures_accepts_a_figure_or_a_skip_message():
     assert execute_command.missing_figures(nb) == [2]
 
 
+def test_crowded_figures_finds_a_table_shown_beside_a_captioned_plot():
+    nb = nbformat.v4.new_notebook()
+    alone, crowded = _captioned(""), _captioned("")
+    png = nbformat.v4.new_output("display_data", {"image/png": "iVBO"})
+    table = nbformat.v4.new_output("display_data", {"text/html": "<table></table>"})
+    alone.outputs = [png, nbformat.v4.new_output("stream", name="stdout", text="ok")]
+    crowded.outputs = [table, png]
+    nb.cells = [alone, crowded, nbformat.v4.new_code_cell("")]
+    assert execute_command.crowded_figures(nb) == [1]
+
+
+def test_execute_refuses_a_captioned_cell_that_also_shows_a_table(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        _captioned(
+            "import matplotlib.pyplot as plt\nfrom IPython.display import display\n"
+            "display({'a': 1})\nplt.plot([0, 1], [1, 0]);"
+        )
+    ]
+    path = tmp_path / "crowded.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_bytes()
+    proc = _command("extkernels.execute", str(path), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "display more than their figure" in proc.stderr
+    assert path.read_bytes() == before
+
+
 def test_execute_failing_notebook_exits_non_zero_and_leaves_file_unchanged(tmp_path):
     path = _write_notebook(tmp_path / "bad.ipynb", "x = 1", "raise ValueError('boom')")
     before = path.read_bytes()

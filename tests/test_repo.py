@@ -137,6 +137,18 @@ def test_captioned_cells_store_their_figure(path):
     )
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_captioned_cells_show_only_their_figure(path):
+    # myst-nb makes every displayed output of a captioned cell a figure of that name
+    from extkernels.execute import crowded_figures
+
+    crowded = crowded_figures(nbformat.read(path, as_version=4))
+    assert not crowded, (
+        f"{path.name}: captioned cells {crowded} display more than their figure; "
+        "show the table from a cell of its own and re-execute the chapter"
+    )
+
+
 def test_committed_files_are_small():
     big = [
         (f.relative_to(ROOT), f.stat().st_size)

@@ -8,7 +8,7 @@ Each notebook runs in a fresh kernel with its own folder as working directory. A
 that raises stops that notebook, which is then left untouched on disk, and the command
 exits non-zero after trying the rest; so does a cell with a figure caption
 (``mystnb.figure`` in its metadata) that drew no figure and printed no "skipped"
-message. The stored outputs of the book are produced by this command on the GPU
+message, or that displayed more than its figure. The stored outputs of the book are produced by this command on the GPU
 machine named in each chapter.
 """
 
@@ -24,11 +24,17 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-__all__ = ["MissingFigureError", "execute", "main", "missing_figures"]
+__all__ = [
+    "MissingFigureError",
+    "crowded_figures",
+    "execute",
+    "main",
+    "missing_figures",
+]
 
 
 class MissingFigureError(RuntimeError):
-    """A cell that should hold a figure (it has a caption) holds none."""
+    """A cell that should hold one figure (it has a caption) holds none, or more."""
 
 
 def missing_figures(nb: nbformat.NotebookNode) -> list[int]:
@@ -44,6 +50,25 @@ def missing_figures(nb: nbformat.NotebookNode) -> list[int]:
         if not drawn and not text.lstrip().startswith("skipped"):
             missing.append(i)
     return missing
+
+
+def crowded_figures(nb: nbformat.NotebookNode) -> list[int]:
+    """Indices of the code cells with a figure caption that display more than one
+    output. myst-nb wraps every displayed output of a captioned cell in a figure of the
+    caption's name, so a table shown beside the plot becomes a second figure under the
+    same caption and name (a duplicate target, which fails the strict site build): show
+    the table from a cell of its own."""
+    return [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        and "figure" in cell.metadata.get("mystnb", {})
+        and sum(
+            o.get("output_type") in ("display_data", "execute_result")
+            for o in cell.get("outputs", [])
+        )
+        > 1
+    ]
 
 
 def _notebooks(paths: list[str]) -> list[Path]:
@@ -62,8 +87,8 @@ def _notebooks(paths: list[str]) -> list[Path]:
 
 def execute(path: Path, *, timeout: int, kernel: str) -> float:
     """Execute one notebook in place; returns seconds taken. Raises on a failing
-    cell, or on a captioned cell without its figure (:func:`missing_figures`); the file
-    is then left as it was."""
+    cell, or on a captioned cell without its figure (:func:`missing_figures`) or with
+    more than its figure (:func:`crowded_figures`); the file is then left as it was."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -80,6 +105,10 @@ def execute(path: Path, *, timeout: int, kernel: str) -> float:
     seconds = time.perf_counter() - start
     if missing := missing_figures(nb):
         raise MissingFigureError(f"cells {missing} of {path} drew no figure")
+    if crowded := crowded_figures(nb):
+        raise MissingFigureError(
+            f"captioned cells {crowded} of {path} display more than their figure"
+        )
     nbformat.write(nb, path)
     return seconds
 
