@@ -106,12 +106,13 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     Returns:
         The matplotlib figure.
     """
-    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(df) + 1.6))
+    fig, ax = plt.subplots(
+        figsize=(WIDTH, 0.6 * len(df) + 1.6), layout="constrained"
+    )
     handles = _bars(ax, df, log)
     fig.suptitle(_suptitle(df, title, hardware))
-    # Below the axes, where it covers no bar.
-    fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))  # suptitle included
+    # Right under the axis label, where it covers no bar.
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False)
     return fig
 
 
