@@ -361,7 +361,8 @@ def test_glue_of_the_kernel_times_names_every_number_the_prose_quotes():
     assert words["ptx_vs_cpp_gather_f32"] == "as fast as"  # overlapping ranges
     assert words["ptx_vs_triton_scatter_f32"] == "as fast as"
     assert words["cpp_float4_f32_us"] == pytest.approx(4.0)
-    assert len(words) == 2 * (2 * 2 + 2) + 1
+    assert words["ptx_vs_cpp_float4_gather_f32"] == "slower than"  # 8 against 4 µs
+    assert len(words) == 2 * (2 * 2 + 2) + 2
 
 
 def test_glue_of_the_call_costs_and_the_projector():

@@ -300,7 +300,8 @@ def kernel_times_glue(times: dict[str, pd.DataFrame]) -> dict[str, object]:
     """What chapter 10's prose quotes from :func:`kernel_times` tables, one per number
     of features (``times`` keyed ``"F = <F>"``, one of them ``"F = 32"``): the PTX
     kernels' microseconds and how they compare with the C++ and Triton ones (the C++
-    gather with scalar loads), by glue key."""
+    gather with scalar loads, and at 32 features also with ``float4`` loads), by glue
+    key."""
     out: dict[str, object] = {}
     for f, table in times.items():
         tag = f.replace("F = ", "f")
@@ -316,6 +317,9 @@ def kernel_times_glue(times: dict[str, pd.DataFrame]) -> dict[str, object]:
             out[f"ptx_{piece}_{tag}_us"] = float(ms * 1e3)
     float4 = times["F = 32"].loc[("gather", "C++, float4 loads"), "ms"]
     out["cpp_float4_f32_us"] = float(float4 * 1e3)
+    out["ptx_vs_cpp_float4_gather_f32"] = compare(
+        times["F = 32"], "gather", "PTX (pyptx)", "C++, float4 loads"
+    )
     return out
 
 
