@@ -8,8 +8,8 @@ Each notebook runs in a fresh kernel with its own folder as working directory. A
 that raises stops that notebook, which is then left untouched on disk, and the command
 exits non-zero after trying the rest; so does a cell with a figure caption
 (``mystnb.figure`` in its metadata) that drew no figure and printed no "skipped"
-message, or that displayed more than its figure. The stored outputs of the book are produced by this command on the GPU
-machine named in each chapter.
+message, or that displayed more than its figure. The stored outputs of the book are
+produced by this command on the GPU machine named in each chapter.
 """
 
 from __future__ import annotations

@@ -106,9 +106,7 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     Returns:
         The matplotlib figure.
     """
-    fig, ax = plt.subplots(
-        figsize=(WIDTH, 0.6 * len(df) + 1.6), layout="constrained"
-    )
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(df) + 1.6), layout="constrained")
     handles = _bars(ax, df, log)
     fig.suptitle(_suptitle(df, title, hardware))
     # Right under the axis label, where it covers no bar.
