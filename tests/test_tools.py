@@ -633,6 +633,24 @@ def test_floors_are_shown_without_speedups():
     assert out.loc["knn/cpp", "× eager fwd"] == 5.0
     assert out.loc["knn/floor", "× eager fwd"] == ""
     assert results.is_floor(df).tolist() == [False, True]
+    floors = results.floors_table(df, {"knn/floor": 9})
+    assert floors.index.tolist() == ["knn/floor"]
+    assert "× eager fwd" not in floors and floors.loc["knn/floor", "chapter"] == 9
+
+
+def test_ranked_lists_knn_then_radius_by_training_step_without_floors():
+    df = pd.DataFrame(
+        {"train_ms": [3.0, 0.5, 1.0, 2.0, 0.1]},
+        index=["radius/warp", "radius/fused", "knn/cpp", "knn/torch", "knn/floor"],
+    )
+    order = results.ranked(df).index.tolist()
+    assert order == ["knn/cpp", "knn/torch", "radius/fused", "radius/warp"]
+
+
+def test_every_variant_names_its_chapter():
+    chapters = V.chapters()
+    assert set(chapters) == {v.name for v in V.VARIANTS}
+    assert chapters["knn/torch"] == 1 and chapters["knn/cuml"] == 3
 
 
 def test_the_guide_reads_every_number_from_the_measurements():

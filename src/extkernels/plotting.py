@@ -136,7 +136,16 @@ def timing_panels(
         handles = _bars(ax, df, log)
         ax.set_title(name, loc="left", fontsize=10)
     fig.suptitle(_suptitle(pd.concat(parts.values()), title, hardware))
-    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False)
+    # Above the first panel, beside its title: the panels are tall, and a legend at the
+    # figure's foot would sit a page away from the first of them.
+    axes[0, 0].legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=2,
+        frameon=False,
+        fontsize=9,
+    )
     return fig
 
 
@@ -197,7 +206,10 @@ def timeline_plot(tl: pd.DataFrame, *, title: str, hardware: str):
 
 def clouds_figure(workloads, *, points: int = 4000):
     """Each workload of :mod:`extkernels.clouds` as a 3-D scatter of its reference
-    points (grey; at most ``points`` of them) and queries (blue), a panel each (chapter
+    points (grey; at most ``points`` of them, the one farthest from the cloud's median
+    always among them, and drawn larger when it lies far beyond the rest, so that a
+    lone outlier shows) and queries (blue), a panel each,
+    every panel's box in the proportions of what it shows (a slab stays thin; chapter
     14).
 
     Returns:
@@ -208,10 +220,18 @@ def clouds_figure(workloads, *, points: int = 4000):
     fig = plt.figure(figsize=(WIDTH, 1.6 * rows + 0.3))
     for i, w in enumerate(workloads):
         ax = fig.add_subplot(rows, cols, i + 1, projection="3d")
-        ref = w.p_ref[:: max(1, len(w.p_ref) // points)].cpu().numpy()
+        every = w.p_ref.cpu().numpy()
+        ref = every[:: max(1, len(every) // points)]
+        reach = np.abs(every - np.median(every, axis=0)).max(axis=1)
+        far = reach.argmax()
         query = w.p_query[:: max(1, len(w.p_query) // 500)].cpu().numpy()
         ax.scatter(*ref.T, s=0.5, c="0.4", alpha=0.5, linewidths=0)
-        ax.scatter(*query.T, s=0.5, c="tab:blue", alpha=0.4, linewidths=0)
+        # a point far beyond the rest (ten times the 99th percentile) drawn larger
+        lone = reach[far] > 10 * np.percentile(reach, 99)
+        ax.scatter(*every[far], s=8 if lone else 0.5, c="0.2", linewidths=0)
+        ax.scatter(*query.T, s=2, c="tab:blue", alpha=0.6, linewidths=0)
+        span = np.ptp(np.vstack([ref, every[far : far + 1], query]), axis=0)
+        ax.set_box_aspect(np.maximum(span, 0.03 * span.max()))
         ax.set_title(w.name, fontsize=9, pad=0)
         ax.set_axis_off()
     fig.subplots_adjust(left=0, right=1, bottom=0, top=0.92, wspace=0, hspace=0.1)

@@ -23,6 +23,8 @@ __all__ = [
     "run_card",
     "runs_per_variant",
     "book_table",
+    "floors_table",
+    "ranked",
     "anchor_table",
     "clouds_table",
     "is_floor",
@@ -94,6 +96,26 @@ def book_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
         if column in out:
             out[column] = out[column].astype(object).where(~is_floor(df), "")
     return out
+
+
+def ranked(df: pd.DataFrame) -> pd.DataFrame:
+    """The variants of ``df`` that aggregate (floors left out), the kNN projector's
+    first, then the radius projector's, each from the shortest training step to the
+    longest: the order in which the results page lists and plots them."""
+    rows = df[~is_floor(df)]
+    workload = rows.index.str.split("/").str[0]
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (workload[i] != "knn", rows["train_ms"].iloc[i]),
+    )
+    return rows.iloc[order]
+
+
+def floors_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
+    """The floors of ``df`` as :func:`book_table` shows a variant, without the speedup
+    columns: a floor aggregates nothing, so it is faster than no variant at anything."""
+    out = book_table(df[is_floor(df)], chapters)
+    return out.drop(columns=[c for c in ("× eager fwd", "× eager train") if c in out])
 
 
 def anchor_table(df: pd.DataFrame) -> pd.DataFrame:

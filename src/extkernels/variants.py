@@ -27,7 +27,7 @@ from .problem import Problem
 from .timing import Timing, first_call_seconds, time_projector
 from .training import make_train_step
 
-__all__ = ["FLOOR", "Variant", "VARIANTS", "get", "run", "baseline_of"]
+__all__ = ["FLOOR", "Variant", "VARIANTS", "get", "run", "baseline_of", "chapters"]
 
 #: The ``backend`` of a floor variant: the aggregation replaced by
 #: :class:`~extkernels.models.FixedGather` (no search, no custom operator), so that it
@@ -318,6 +318,12 @@ VARIANTS: list[Variant] = [
     Variant("radius/floor", "radius", FLOOR, chapter=11),
     Variant("radius/floor+graphs", "radius", FLOOR, chapter=11, graphs=True),
 ]
+
+
+def chapters() -> dict[str, int]:
+    """The chapter that teaches each variant, by the variant's name (the results page
+    and chapter 12 print it beside every row)."""
+    return {v.name: v.chapter for v in VARIANTS}
 
 
 def get(name: str) -> Variant:

@@ -228,7 +228,8 @@ def reduce_overhead_row(model, p_query, p_ref, target) -> dict[str, float]:
     at ERROR only).
 
     Returns:
-        ``ms per step``, and the ``graph launches`` and ``kernel launches`` per step.
+        ``ms per step``, and per step the ``graph launches`` and the ``kernel launches``
+        outside any graph (kernels launched one at a time), as ints.
     """
     torch._logging.set_logs(dynamo=logging.ERROR)
     with value_checks(False):
@@ -241,10 +242,11 @@ def reduce_overhead_row(model, p_query, p_ref, target) -> dict[str, float]:
         prof, names=("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel")
     )
     graph = calls["name"] == "cudaGraphLaunch"
+    # calls per step, averaged over the profiled steps: whole numbers, shown as such
     return {
         "ms per step": ms[0],
-        "graph launches": calls.loc[graph, "calls"].sum(),
-        "kernel launches": calls.loc[~graph, "calls"].sum(),
+        "graph launches": round(float(calls.loc[graph, "calls"].sum())),
+        "kernel launches": round(float(calls.loc[~graph, "calls"].sum())),
     }
 
 
@@ -270,16 +272,16 @@ def changing_shapes(
     sizes: list[int], bucket: int, *, grid_side: int, k: int, sigma: float, hidden: int
 ) -> pd.DataFrame:
     """The kNN projector's forward pass on clouds of each of ``sizes`` points, called in
-    turn, four ways: compiled (inductor decides when to recompile), compiled with
-    ``mark_dynamic`` on the cloud's length, one CUDA graph captured per size, and one
-    graph for a padded bucket of ``bucket`` points (every size padded to it with
-    :func:`pad_cloud`).
+    turn (a size may come back: it finds what its first call built), four ways:
+    compiled (inductor decides when to recompile), compiled with ``mark_dynamic`` on
+    the cloud's length, one CUDA graph captured per size, and one graph for a padded
+    bucket of ``bucket`` points (every size padded to it with :func:`pad_cloud`).
 
     Returns:
-        DataFrame indexed by (strategy, points) with ``first call ms`` (compiling or
-        capturing included), ``ms per call`` after it, ``compiles`` (graphs inductor
-        compiled so far) and ``exact`` (output equal to the eager projector's on the
-        same cloud, to 1e-5).
+        DataFrame indexed by (strategy, call, points), ``call`` counting from 1, with
+        ``first call ms`` (compiling or capturing included), ``ms per call`` after it,
+        ``graphs`` (graphs inductor compiled, or CUDA graphs captured, so far) and
+        ``exact`` (output equal to the eager projector's on the same cloud, to 1e-5).
     """
     device = torch.device("cuda")
     p_query = query_grid(grid_side, device=device)
@@ -289,13 +291,13 @@ def changing_shapes(
         expected = {n: model(p_query, c) for n, c in clouds.items()}
     rows = {}
 
-    def record(strategy, n, fn, count=lambda: float("nan")):
+    def record(strategy, call, n, fn, count):
         first_ms = 1e3 * first_call_seconds(fn, device)
         exact = torch.allclose(fn()[: p_query.shape[0]], expected[n], atol=1e-5)
-        rows[(strategy, n)] = {
+        rows[(strategy, call, n)] = {
             "first call ms": first_ms,
             "ms per call": time_fn(fn, 50),
-            "compiles": count(),
+            "graphs": int(count()),
             "exact": bool(exact),
         }
 
@@ -309,35 +311,37 @@ def changing_shapes(
             with torch.no_grad():
                 return compiled(p_query, cloud)
 
-        for n, cloud in clouds.items():
+        for call, n in enumerate(sizes, 1):
+            cloud = clouds[n]
             if strategy.endswith("mark_dynamic"):
                 torch._dynamo.mark_dynamic(cloud, 0)
             record(
                 strategy,
+                call,
                 n,
                 lambda cloud=cloud: forward(cloud),
-                lambda: float(counters["stats"]["unique_graphs"]),
+                lambda: counters["stats"]["unique_graphs"],
             )
     graphs: dict[int, CapturedStep] = {}
-    for n, cloud in clouds.items():
+    for call, n in enumerate(sizes, 1):
 
-        def replay(n=n, cloud=cloud):
+        def replay(n=n):
             if n not in graphs:
-                graphs[n] = captured_forward(model, p_query, cloud)
+                graphs[n] = captured_forward(model, p_query, clouds[n])
             return graphs[n]()
 
-        record("one graph per size", n, replay, lambda: float(len(graphs)))
+        record("one graph per size", call, n, replay, lambda: len(graphs))
     padded = pad_cloud(clouds[sizes[0]], bucket, p_query)
     bucket_graph = captured_forward(model, p_query, padded)
-    for n, cloud in clouds.items():
+    for call, n in enumerate(sizes, 1):
 
-        def replay_bucket(cloud=cloud):
+        def replay_bucket(cloud=clouds[n]):
             padded.copy_(pad_cloud(cloud, bucket, p_query))
             return bucket_graph()
 
-        record(f"one graph, padded to {bucket:,}", n, replay_bucket, lambda: 1.0)
+        record(f"one graph, padded to {bucket:,}", call, n, replay_bucket, lambda: 1)
     out = pd.DataFrame(rows).T.infer_objects()  # the columns' own types: floats round
-    out.index.names = ["strategy", "points"]
+    out.index.names = ["strategy", "call", "points"]
     return out
 
 

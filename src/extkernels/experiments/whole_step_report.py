@@ -163,27 +163,30 @@ def reduce_overhead_quotes(
 
 
 def shapes_quotes(shapes: pd.DataFrame) -> dict[str, float]:
-    """From :func:`~.whole_step.changing_shapes` (chapter 11), at the first size and
-    at the first size that differs from it: ``recompile_ms`` (the compiled model's
-    first call at the new size), ``static_ms`` (its calls at the first size),
+    """From :func:`~.whole_step.changing_shapes` (chapter 11), at the first call and at
+    the second, whose size differs from the first's: ``recompile_ms`` (the compiled
+    model's first call at the new size), ``static_ms`` (its calls at the first size),
     ``dynamic_ms`` (``mark_dynamic`` at the new size), ``recapture_ms`` and
     ``graph_ms`` (a graph per size: its capture and its replays at the new size), and
     ``bucket_ms`` (the padded bucket's replays at the new size)."""
-    sizes = list(dict.fromkeys(shapes.index.get_level_values("points")))
-    first, changed = sizes[0], sizes[1]
-    strategies = shapes.index.get_level_values("strategy")
-    bucket = next(s for s in strategies if s.startswith("one graph, padded"))
+    bucket = next(
+        s
+        for s in shapes.index.get_level_values("strategy")
+        if s.startswith("one graph, padded")
+    )
+
+    def at(strategy: str, call: int, column: str) -> float:
+        return float(
+            shapes.xs((strategy, call), level=("strategy", "call"))[column].iloc[0]
+        )
+
     return {
-        "recapture_ms": float(
-            shapes.loc[("one graph per size", changed), "first call ms"]
-        ),
-        "graph_ms": float(shapes.loc[("one graph per size", changed), "ms per call"]),
-        "bucket_ms": float(shapes.loc[(bucket, changed), "ms per call"]),
-        "recompile_ms": float(shapes.loc[("compiled", changed), "first call ms"]),
-        "dynamic_ms": float(
-            shapes.loc[("compiled, mark_dynamic", changed), "ms per call"]
-        ),
-        "static_ms": float(shapes.loc[("compiled", first), "ms per call"]),
+        "recapture_ms": at("one graph per size", 2, "first call ms"),
+        "graph_ms": at("one graph per size", 2, "ms per call"),
+        "bucket_ms": at(bucket, 2, "ms per call"),
+        "recompile_ms": at("compiled", 2, "first call ms"),
+        "dynamic_ms": at("compiled, mark_dynamic", 2, "ms per call"),
+        "static_ms": at("compiled", 1, "ms per call"),
     }
 
 
