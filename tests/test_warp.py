@@ -997,3 +997,62 @@ def test_replay_matches_compares_with_the_eager_forward():
         expected = model(p_query, p_ref)
     assert wi.replay_matches(lambda: expected.clone(), model, p_query, p_ref)
     assert not wi.replay_matches(lambda: expected + 1e-3, model, p_query, p_ref)
+
+
+# Chapter 5's build-up (extkernels.experiments.warp_steps): every step is the radius
+# aggregation, and each reason for the next step shows.
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_step_of_the_build_up_is_the_radius_aggregation(device):
+    from extkernels.experiments import warp_steps
+
+    p_query, p_ref, feats = problem(device)
+    expected = torch_backend.radius_aggregate(p_query, p_ref, feats, RADIUS, SIGMA)
+    assert (expected[-1] == 0).all()  # the far query has no neighbour
+    for name, step in warp_steps.steps(torch.device(device)).items():
+        got = step(p_query, p_ref, feats, RADIUS, SIGMA)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_relative_to_the_nearest_neighbour_survive_a_radius_of_many_sigmas(
+    device,
+):
+    """At a radius of 250 sigma, exp(-d / sigma) underflows to 0 for every neighbour of
+    a query whose nearest lies past about 100 sigma: the plain sum (step 2) returns
+    zeros there, the shifted steps the brute force's output."""
+    from extkernels.experiments import warp_steps
+
+    radius, sigma = 0.5, 0.002
+    p_ref = extkernels.reference_cloud(2000, seed=0).to(device)
+    p_query = extkernels.query_grid(10).to(device)
+    feats = extkernels.features(2000, 8, seed=0).to(device)
+    expected = torch_backend.radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    steps = warp_steps.steps(torch.device(device))
+    wrong = {
+        name: ((step(p_query, p_ref, feats, radius, sigma) - expected).abs() > 1e-4)
+        .any(1)
+        .sum()
+        .item()
+        for name, step in steps.items()
+    }
+    assert wrong.pop("hash grid") > 0
+    assert wrong == dict.fromkeys(wrong, 0)
+
+
+def test_the_steps_are_timed_in_order_against_the_step_before():
+    from extkernels.experiments import warp_steps
+
+    p_query, p_ref, feats = problem("cpu")
+    funcs = dict(list(warp_steps.steps(torch.device("cpu")).items())[:2])
+    table = warp_steps.time_steps(
+        funcs, (p_query, p_ref, feats, RADIUS, SIGMA), n_iters=2, repeats=3
+    )
+    assert table.index.tolist() == list(funcs)
+    assert (table["fastest"] <= table["ms per call"]).all()
+    assert (table["ms per call"] <= table["slowest"]).all()
+    ratio = table["× the step before"]
+    assert ratio.isna().iloc[0]
+    first, second = table["ms per call"]
+    assert ratio.iloc[1] == pytest.approx(first / second)
