@@ -712,10 +712,13 @@ def test_graphs_and_breaks_counts_a_break():
 def test_break_reasons_names_an_explicit_break_and_none_without_one():
     torch._dynamo.reset()
     assert profiling.break_reasons(lambda x: x.sin(), torch.ones(3)) == []
+    whole = profiling.break_reasons(_broken, torch.ones(3), lines=2, width=10_000)
+    assert len(whole) == 1 and len(whole[0].splitlines()) <= 2
     reasons = profiling.break_reasons(_broken, torch.ones(3), lines=2, width=30)
     assert len(reasons) == 1
-    assert all(len(line) <= 30 for line in reasons[0].splitlines())
-    assert len(reasons[0].splitlines()) <= 2
+    # wrapped, not cut: every word of the first two lines is still there
+    assert reasons[0].split() == whole[0].split()
+    assert len(reasons[0].splitlines()) > len(whole[0].splitlines())
 
 
 def test_make_forward_runs_the_model_without_a_graph_for_autograd():

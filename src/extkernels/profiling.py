@@ -8,6 +8,7 @@ the CPU: CPU time), with their share of the total, call count and memory.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 
 import pandas as pd
@@ -121,13 +122,19 @@ def graphs_and_breaks(fn, *args) -> tuple[int, int]:
     return explanation.graph_count, explanation.graph_break_count
 
 
-def break_reasons(fn, *args, lines: int = 4, width: int = 160) -> list[str]:
+def break_reasons(fn, *args, lines: int = 4, width: int = 88) -> list[str]:
     """The distinct reasons ``torch._dynamo.explain`` gives for the graph breaks of
-    ``fn(*args)`` (chapter 3), each cut to its first ``lines`` lines of ``width``
-    characters."""
+    ``fn(*args)`` (chapter 3): each one's first ``lines`` lines, whole, wrapped at
+    ``width`` characters (continuations indented), so that no word is cut."""
     explanation = torch._dynamo.explain(fn)(*args)
     reasons = dict.fromkeys(str(b.reason).strip() for b in explanation.break_reasons)
-    return ["\n".join(line[:width] for line in r.splitlines()[:lines]) for r in reasons]
+    return [
+        "\n".join(
+            textwrap.fill(line, width, subsequent_indent="    ", break_long_words=False)
+            for line in r.splitlines()[:lines]
+        )
+        for r in reasons
+    ]
 
 
 _SYNC_CALLS = (
