@@ -586,6 +586,31 @@ def test_timing_panels_draws_a_panel_per_workload_with_every_variant():
     assert len(fig.axes[0].patches) == 6  # a forward and a training bar per variant
 
 
+def test_timing_bars_label_each_median_alike_and_keep_the_legend_by_the_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from extkernels import plotting
+
+    df = pd.DataFrame(
+        {"forward_ms": [0.0709, 3.2], "train_ms": [87.94, 144.0]},
+        index=["knn/a", "knn/b"],
+    )
+    fig = plotting.timing_bars(df, title="t", hardware="NVIDIA X", log=True)
+    (ax,) = fig.axes
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == sorted(["0.071", "3.20", "87.9", "144"])
+    # the log axis's labels are plain numbers, and none of them on a minor tick
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert ticks and all("10^" not in t and "$" not in t for t in ticks)
+    assert not [t for t in ax.get_xticklabels(minor=True) if t.get_text()]
+    # the legend sits just under the axes, not at the figure's far foot
+    legend = fig.legends[0].get_window_extent()
+    axes = ax.get_tightbbox()
+    assert 0 <= axes.y0 - legend.y1 < 0.05 * fig.bbox.height
+
+
 def test_clouds_table_sets_each_cloud_beside_the_books_cloud():
     from extkernels import results
 

@@ -71,7 +71,7 @@ def _bars(ax, df: pd.DataFrame, log: bool):
         ends = df.get(f"{metric}_max", df[f"{metric}_ms"])
         for yi, value, end in zip(y + offset, df[f"{metric}_ms"], ends, strict=True):
             ax.annotate(
-                f"{value:.3g}",
+                _ms_label(value),
                 (end, yi),
                 xytext=(3, 0),
                 textcoords="offset points",
@@ -83,8 +83,27 @@ def _bars(ax, df: pd.DataFrame, log: bool):
     ax.set_xlabel("ms per iteration" + (" (log scale)" if log else ""))
     if log:
         ax.set_xscale("log")
+        times = df[["forward_ms", "train_ms"]].to_numpy()
+        # plain numbers at 1, 2, 5 x 10^n where the times span less than two decades
+        # (matplotlib would label crowded minor ticks there), at 10^n beyond
+        subs = (1.0, 2.0, 5.0) if times.max() < 100 * times.min() else (1.0,)
+        ax.xaxis.set_major_locator(mpl.ticker.LogLocator(subs=subs))
+        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(mpl.ticker.NullFormatter())
     ax.margins(x=0.15)
     return bars_f, bars_t
+
+
+def _ms_label(value: float) -> str:
+    """A bar's milliseconds with the same number of decimals at every magnitude: three
+    significant digits from 0.1 ms up (0.266, 3.20, 87.9, 144), three decimals below."""
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
 
 
 def _suptitle(df: pd.DataFrame, title: str, hardware: str) -> str:
