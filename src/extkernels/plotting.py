@@ -83,15 +83,34 @@ def _bars(ax, df: pd.DataFrame, log: bool):
     ax.set_xlabel("ms per iteration" + (" (log scale)" if log else ""))
     if log:
         ax.set_xscale("log")
-        times = df[["forward_ms", "train_ms"]].to_numpy()
-        # plain numbers at 1, 2, 5 x 10^n where the times span less than two decades
-        # (matplotlib would label crowded minor ticks there), at 10^n beyond
-        subs = (1.0, 2.0, 5.0) if times.max() < 100 * times.min() else (1.0,)
-        ax.xaxis.set_major_locator(mpl.ticker.LogLocator(subs=subs))
-        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(mpl.ticker.NullFormatter())
+        _plain_log_ticks(ax.xaxis, df[["forward_ms", "train_ms"]].to_numpy())
     ax.margins(x=0.15)
     return bars_f, bars_t
+
+
+def _plain_log_ticks(axis, values) -> None:
+    """Label a log ``axis`` with plain numbers: at 1, 2 and 5 x 10^n where ``values``
+    span less than two decades (matplotlib would label crowded minor ticks there), at
+    10^n beyond; minor ticks unlabelled."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values) & (values > 0)]
+    narrow = values.size and values.max() < 100 * values.min()
+    axis.set_major_locator(
+        mpl.ticker.LogLocator(subs=(1.0, 2.0, 5.0) if narrow else (1.0,))
+    )
+    axis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: _plain_number(v)))
+    axis.set_minor_formatter(mpl.ticker.NullFormatter())
+
+
+def _plain_number(v: float) -> str:
+    """0.5, 20, 1000 as they are; from 10^4 up (and below 10^-3) as powers of ten."""
+    if v <= 0 or 1e-3 <= v < 1e4:
+        return f"{v:g}"
+    exponent = int(np.floor(np.log10(v) + 1e-9))
+    mantissa = v / 10.0**exponent
+    if abs(mantissa - 1) < 1e-6:
+        return f"$10^{{{exponent}}}$"
+    return f"${mantissa:g}\\times10^{{{exponent}}}$"
 
 
 def _ms_label(value: float) -> str:
@@ -190,11 +209,13 @@ def scaling_plot(
         ax.plot(part[x], part[y], marker="o", label=str(name))
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _plain_log_ticks(ax.xaxis, df[x])
+    _plain_log_ticks(ax.yaxis, df[y])
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(f"{title}\n{hardware}")
-    ax.legend()
+    ax.set_title(f"{title}\n{hardware}", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
