@@ -147,6 +147,7 @@ def test_size_quotes_read_the_largest_sizes_and_skip_backends_not_swept():
 def test_the_time_table_has_a_row_per_size_a_column_per_backend_and_no_nan():
     t = scaling.time_table(_measured(_sweeps()))
     assert list(t.columns) == ["torch", "fused", "cuml", "cpp"]
+    assert t.columns.name == "ms per call"  # the unit, over the backends
     assert t.loc[("kNN", "M", 64), "cpp"] == "1.000"
     assert t.loc[("radius", "N", 1000), "torch"] == "9.000"
     assert t.loc[("kNN", "N", 1000), "torch"] == "out of memory"
@@ -171,6 +172,7 @@ def test_stops_name_the_sizes_in_words_and_quote_the_brute_force():
 def test_memory_table_is_against_points_in_words():
     table = scaling.memory_table(_measured(_sweeps()))
     assert table.index.names == ["workload", "points N"]
+    assert table.columns.name == "peak MiB"
     assert table.loc[("kNN", 1000), "fused"] == "100"
     assert table.loc[("kNN", 1000), "torch"] == "–"  # ran out of memory
 

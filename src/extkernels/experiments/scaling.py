@@ -257,7 +257,8 @@ def time_table(measured: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
         values="cell",
         aggfunc="first",
     )[backends]
-    return table.fillna("–").rename_axis(columns=None)
+    # the unit over the backends' columns, where the header has room for it
+    return table.fillna("–").rename_axis(columns="ms per call")
 
 
 def slope_quotes(slopes: pd.DataFrame) -> dict[str, float]:
@@ -342,7 +343,7 @@ def memory_table(measured: pd.DataFrame) -> pd.DataFrame:
     table = _memory(measured).pivot_table(
         index=["workload", "points N"], columns="backend", values="peak MiB"
     )
-    return readable(table, 0)
+    return readable(table, 0).rename_axis(columns="peak MiB")
 
 
 def stops(measured: pd.DataFrame) -> pd.DataFrame:
