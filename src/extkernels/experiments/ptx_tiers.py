@@ -106,10 +106,10 @@ def call_costs(
     weights, indices, feats, *, n_iters: int = 2000, repeats: int = 7
 ) -> pd.DataFrame:
     """Microseconds per call of the PTX gather, called each way, back to back: the
-    median of ``repeats`` blocks of ``n_iters`` calls with the fastest and slowest
-    block (value checks off, as in timed iterations); last, the kernel's own time on the
-    device by ``do_bench`` (median, 20th and 80th percentiles), which empties the L2
-    cache before each call."""
+    median of ``repeats`` blocks of ``n_iters`` calls, with the fastest and slowest
+    block as ``low`` and ``high`` (value checks off, as in timed iterations); last, the
+    kernel's own time on the device by ``do_bench``, which empties the L2 cache before
+    each call (median, with the 20th and 80th percentiles as ``low`` and ``high``)."""
     args = (weights, indices, feats)
     ours = torch.ops.extkernels_ptx.gather
     kernels.gather(*args)  # builds this shape (and pyptx's operator for it)
@@ -135,14 +135,14 @@ def call_costs(
             median, fastest, slowest = time_blocks(fn, n_iters, repeats)
             rows[name] = {
                 "µs per call": median * 1e3,
-                "min": fastest * 1e3,
-                "max": slowest * 1e3,
+                "low": fastest * 1e3,
+                "high": slowest * 1e3,
             }
     p20, p50, p80 = do_bench(lambda: kernels.gather(*args), quantiles=[0.2, 0.5, 0.8])
     rows["the kernel alone (do_bench: device time, L2 emptied first)"] = {
         "µs per call": p50 * 1e3,
-        "min": p20 * 1e3,
-        "max": p80 * 1e3,
+        "low": p20 * 1e3,
+        "high": p80 * 1e3,
     }
     return pd.DataFrame(rows).T
 
