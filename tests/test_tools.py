@@ -611,6 +611,51 @@ def test_timing_bars_label_each_median_alike_and_keep_the_legend_by_the_axes():
     assert 0 <= axes.y0 - legend.y1 < 0.05 * fig.bbox.height
 
 
+def test_range_bars_draws_a_panel_per_group_with_its_whiskers():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from extkernels import plotting
+
+    index = pd.MultiIndex.from_tuples(
+        [
+            ("F = 25", "gather", "C++"),
+            ("F = 25", "gather", "PTX"),
+            ("F = 32", "scatter", "C++"),
+        ],
+        names=["features", "piece", "written in"],
+    )
+    df = pd.DataFrame(
+        {"us": [13.6, 9.5, 20.3], "p20": [13.0, 9.4, 19.6], "p80": [13.9, 10.7, 21.1]},
+        index=index,
+    )
+    fig = plotting.range_bars(
+        df,
+        value="us",
+        low="p20",
+        high="p80",
+        title="t",
+        hardware="NVIDIA X",
+        xlabel="µs per call",
+        by=["features", "piece"],
+    )
+    assert [ax.get_title(loc="left") for ax in fig.axes] == [
+        "F = 25 · gather",
+        "F = 32 · scatter",
+    ]
+    labels = [[t.get_text() for t in ax.get_yticklabels()] for ax in fig.axes]
+    assert labels == [["C++", "PTX"], ["C++"]]
+    assert sorted(t.get_text() for ax in fig.axes for t in ax.texts) == sorted(
+        ["13.6", "9.50", "20.3"]
+    )
+    # each whisker spans low to high
+    bars = next(c for c in fig.axes[0].containers if hasattr(c, "errorbar"))
+    (_, caps, _) = bars.errorbar.lines
+    ends = sorted(x for cap in caps for x in cap.get_xdata())
+    assert ends == pytest.approx(sorted([13.0, 13.9, 9.4, 10.7]))
+    assert fig.axes[-1].get_xlabel() == "µs per call"
+
+
 def test_clouds_table_sets_each_cloud_beside_the_books_cloud():
     from extkernels import results
 

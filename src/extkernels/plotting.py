@@ -18,6 +18,7 @@ __all__ = [
     "scaling_plot",
     "timeline_plot",
     "timing_bars",
+    "range_bars",
 ]
 
 # Compact PNGs, so stored notebooks stay small, and narrow ones: a 560-px figure with
@@ -114,8 +115,9 @@ def _plain_number(v: float) -> str:
 
 
 def _ms_label(value: float) -> str:
-    """A bar's milliseconds with the same number of decimals at every magnitude: three
-    significant digits from 0.1 ms up (0.266, 3.20, 87.9, 144), three decimals below."""
+    """A bar's time (ms or µs) with the same number of decimals at every magnitude:
+    three significant digits from 0.1 up (0.266, 3.20, 87.9, 144), three decimals
+    below."""
     if value >= 100:
         return f"{value:.0f}"
     if value >= 10:
@@ -149,6 +151,78 @@ def timing_bars(df: pd.DataFrame, *, title: str, hardware: str, log: bool = Fals
     fig.suptitle(_suptitle(df, title, hardware))
     # Right under the axis label, where it covers no bar.
     fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False)
+    return fig
+
+
+def range_bars(
+    df: pd.DataFrame,
+    *,
+    value: str,
+    low: str,
+    high: str,
+    title: str,
+    hardware: str,
+    xlabel: str,
+    by: str | list[str] | None = None,
+    log: bool = False,
+):
+    """One quantity per row as horizontal bars, each labelled, with whiskers from
+    ``low`` to ``high`` (chapter 5's build-up, chapter 10's calls and kernels): a panel
+    per group of the index levels ``by`` (stacked, each titled by its group), or one
+    panel.
+
+    Args:
+        df: a row per bar, labelled by its index (the levels not in ``by``, joined by
+            " · "); columns ``value``, ``low`` and ``high`` in one unit.
+        xlabel: the quantity and its unit, in words.
+        log: logarithmic axis, for bars that differ by orders of magnitude.
+
+    Returns:
+        The matplotlib figure.
+    """
+    groups = list(df.groupby(level=by, sort=False)) if by is not None else [(None, df)]
+    rows = [len(part) for _, part in groups]
+    fig, axes = plt.subplots(
+        len(groups),
+        1,
+        figsize=(WIDTH, 0.32 * sum(rows) + 0.7 * len(groups) + 0.9),
+        gridspec_kw={"height_ratios": rows},
+        squeeze=False,
+        sharex=True,
+        layout="constrained",
+    )
+    levels = [n for n in df.index.names if by is None or n not in np.atleast_1d(by)]
+    for ax, (key, part) in zip(axes[:, 0], groups, strict=True):
+        labels = [
+            " · ".join(str(v) for v in np.atleast_1d(row))
+            for row in (
+                part.index.droplevel(by) if by is not None and levels else part.index
+            )
+        ]
+        y = np.arange(len(part))
+        spread = np.vstack([part[value] - part[low], part[high] - part[value]])
+        ax.barh(
+            y, part[value], 0.6, xerr=spread, capsize=2, error_kw={"elinewidth": 0.8}
+        )
+        for yi, v, end in zip(y, part[value], part[high], strict=True):
+            ax.annotate(
+                _ms_label(v),
+                (end, yi),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=9,
+            )
+        ax.set_yticks(y, labels)
+        ax.invert_yaxis()
+        if key is not None:
+            ax.set_title(" · ".join(map(str, np.atleast_1d(key))), loc="left")
+        if log:
+            ax.set_xscale("log")
+            _plain_log_ticks(ax.xaxis, df[[low, value, high]].to_numpy())
+        ax.margins(x=0.15)
+    axes[-1, 0].set_xlabel(xlabel + (" (log scale)" if log else ""))
+    fig.suptitle(f"{title}\n{hardware}")
     return fig
 
 
