@@ -29,6 +29,7 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
+from ..ops.torch.brute_force import radius_aggregate as brute_force
 from ..ops.warp import kernels as book_kernels
 from ..ops.warp.interop import warp
 from ..timing import time_blocks
@@ -40,6 +41,7 @@ __all__ = [
     "run_step",
     "steps",
     "time_steps",
+    "wrong_share",
 ]
 
 wp = warp()
@@ -190,3 +192,25 @@ def time_steps(
     out = pd.DataFrame.from_dict(rows, orient="index").rename_axis("step")
     out["× the step before"] = out["ms per call"].shift(1) / out["ms per call"]
     return out
+
+
+def wrong_share(
+    funcs: dict[str, Callable], args: tuple, *, atol: float = 1e-4
+) -> pd.Series:
+    """For each step, the share (%) of queries whose output differs from the brute
+    force's (chapter 1's PyTorch reference, which shifts its weights) by more than
+    ``atol`` in some feature: how chapter 5 shows the underflow that step 3 removes.
+
+    Args:
+        funcs: step name -> function of ``args``.
+        args: ``(p_query, p_ref, feats, radius, sigma)``.
+    """
+    expected = brute_force(*args)
+    return pd.Series(
+        {
+            name: 100.0
+            * float(((fn(*args) - expected).abs() > atol).any(1).float().mean())
+            for name, fn in funcs.items()
+        },
+        name="queries wrong (%)",
+    ).rename_axis("step")
