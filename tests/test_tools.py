@@ -715,6 +715,16 @@ def test_ranked_lists_knn_then_radius_by_training_step_without_floors():
     )
     order = results.ranked(df).index.tolist()
     assert order == ["knn/cpp", "knn/torch", "radius/fused", "radius/warp"]
+    parts = results.by_workload(df)
+    assert list(parts) == ["kNN projector", "radius projector"]
+    assert parts["kNN projector"].index.tolist() == [
+        "knn/floor",
+        "knn/cpp",
+        "knn/torch",
+    ]
+    assert parts["radius projector"].index.tolist() == ["radius/fused", "radius/warp"]
+    unsorted = results.by_workload(df, sort=False)["kNN projector"].index.tolist()
+    assert unsorted == ["knn/cpp", "knn/torch", "knn/floor"]
 
 
 def test_every_variant_names_its_chapter():

@@ -25,6 +25,7 @@ __all__ = [
     "book_table",
     "floors_table",
     "ranked",
+    "by_workload",
     "anchor_table",
     "clouds_table",
     "is_floor",
@@ -109,6 +110,17 @@ def ranked(df: pd.DataFrame) -> pd.DataFrame:
         key=lambda i: (workload[i] != "knn", rows["train_ms"].iloc[i]),
     )
     return rows.iloc[order]
+
+
+def by_workload(df: pd.DataFrame, *, sort: bool = True) -> dict[str, pd.DataFrame]:
+    """The rows of ``df`` split by workload, keyed ``"kNN projector"`` and ``"radius
+    projector"`` (the panels of :func:`~extkernels.plotting.timing_panels`), each from
+    the shortest training step to the longest unless ``sort`` is false."""
+    parts = {}
+    for prefix, title in (("knn/", "kNN projector"), ("radius/", "radius projector")):
+        part = df[df.index.str.startswith(prefix)]
+        parts[title] = part.sort_values("train_ms") if sort else part
+    return parts
 
 
 def floors_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
