@@ -67,18 +67,9 @@ def _bars(ax, df: pd.DataFrame, log: bool):
         error_kw=whiskers,
         label="training step",
     )
-    # Each median labelled just past its bar's whisker (or its end).
     for offset, metric in ((-h / 2, "forward"), (h / 2, "train")):
         ends = df.get(f"{metric}_max", df[f"{metric}_ms"])
-        for yi, value, end in zip(y + offset, df[f"{metric}_ms"], ends, strict=True):
-            ax.annotate(
-                _ms_label(value),
-                (end, yi),
-                xytext=(3, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=9,
-            )
+        _label_bars(ax, y + offset, df[f"{metric}_ms"], ends)
     ax.set_yticks(y, df.index)
     ax.invert_yaxis()
     ax.set_xlabel("ms per iteration" + (" (log scale)" if log else ""))
@@ -87,6 +78,19 @@ def _bars(ax, df: pd.DataFrame, log: bool):
         _plain_log_ticks(ax.xaxis, df[["forward_ms", "train_ms"]].to_numpy())
     ax.margins(x=0.15)
     return bars_f, bars_t
+
+
+def _label_bars(ax, y, values, ends) -> None:
+    """Each bar's value (:func:`_ms_label`) just past its whisker or its end."""
+    for yi, value, end in zip(y, values, ends, strict=True):
+        ax.annotate(
+            _ms_label(value),
+            (end, yi),
+            xytext=(3, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+        )
 
 
 def _plain_log_ticks(axis, values) -> None:
@@ -204,15 +208,7 @@ def range_bars(
         ax.barh(
             y, part[value], 0.6, xerr=spread, capsize=2, error_kw={"elinewidth": 0.8}
         )
-        for yi, v, end in zip(y, part[value], part[high], strict=True):
-            ax.annotate(
-                _ms_label(v),
-                (end, yi),
-                xytext=(3, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=9,
-            )
+        _label_bars(ax, y, part[value], part[high])
         ax.set_yticks(y, labels)
         ax.invert_yaxis()
         if key is not None:
