@@ -62,8 +62,7 @@ def grid_sum(
 ):
     # Step 2: the smallest kernel's sums, over the cells around the query only.
     i, c = wp.tid()
-    total = float(0.0)  # noqa: UP018 (a variable, not a constant, for Warp's loop)
-    acc = float(0.0)  # noqa: UP018
+    total, acc = wp.float32(0.0), wp.float32(0.0)  # variables: the loop adds to them
     for j in wp.hash_grid_query(grid, q[i], radius):
         d = wp.length(q[i] - p[j])
         if d <= radius:
@@ -88,8 +87,7 @@ def grid_shifted(
     nearest = float(radius)
     for j in wp.hash_grid_query(grid, q[i], radius):
         nearest = wp.min(nearest, wp.length(q[i] - p[j]))
-    total = float(0.0)  # noqa: UP018
-    acc = float(0.0)  # noqa: UP018
+    total, acc = wp.float32(0.0), wp.float32(0.0)
     for j in wp.hash_grid_query(grid, q[i], radius):
         d = wp.length(q[i] - p[j])
         if d <= radius:
@@ -112,8 +110,7 @@ def grid_online(
     # Step 4: one walk; the sums are rescaled whenever a nearer neighbour turns up.
     i, c = wp.tid()
     nearest = float(radius)
-    total = float(0.0)  # noqa: UP018
-    acc = float(0.0)  # noqa: UP018
+    total, acc = wp.float32(0.0), wp.float32(0.0)
     for j in wp.hash_grid_query(grid, q[i], radius):
         d = wp.length(q[i] - p[j])
         if d <= radius:
