@@ -102,14 +102,8 @@ def book_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
 def ranked(df: pd.DataFrame) -> pd.DataFrame:
     """The variants of ``df`` that aggregate (floors left out), the kNN projector's
     first, then the radius projector's, each from the shortest training step to the
-    longest: the order in which the results page lists and plots them."""
-    rows = df[~is_floor(df)]
-    workload = rows.index.str.split("/").str[0]
-    order = sorted(
-        range(len(rows)),
-        key=lambda i: (workload[i] != "knn", rows["train_ms"].iloc[i]),
-    )
-    return rows.iloc[order]
+    longest (:func:`by_workload`): the order in which the results page lists them."""
+    return pd.concat(by_workload(df[~is_floor(df)]).values())
 
 
 def by_workload(df: pd.DataFrame, *, sort: bool = True) -> dict[str, pd.DataFrame]:
