@@ -7,6 +7,8 @@ to guess.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 import numpy as np
@@ -185,31 +187,37 @@ def range_bars(
         The matplotlib figure.
     """
     groups = list(df.groupby(level=by, sort=False)) if by is not None else [(None, df)]
+    levels = [n for n in df.index.names if by is None or n not in np.atleast_1d(by)]
+    labels = {  # long names on up to three lines, so that the bars keep the column
+        key: [
+            textwrap.fill(
+                " · ".join(str(v) for v in np.atleast_1d(row)), 28, break_long_words=False
+            )
+            for row in (
+                part.index.droplevel(by) if by is not None and levels else part.index
+            )
+        ]
+        for key, part in groups
+    }
+    lines = max(label.count("\n") + 1 for names in labels.values() for label in names)
     rows = [len(part) for _, part in groups]
     fig, axes = plt.subplots(
         len(groups),
         1,
-        figsize=(WIDTH, 0.32 * sum(rows) + 0.7 * len(groups) + 0.9),
+        figsize=(WIDTH, (0.18 + 0.14 * lines) * sum(rows) + 0.7 * len(groups) + 0.9),
         gridspec_kw={"height_ratios": rows},
         squeeze=False,
         sharex=True,
         layout="constrained",
     )
-    levels = [n for n in df.index.names if by is None or n not in np.atleast_1d(by)]
     for ax, (key, part) in zip(axes[:, 0], groups, strict=True):
-        labels = [
-            " · ".join(str(v) for v in np.atleast_1d(row))
-            for row in (
-                part.index.droplevel(by) if by is not None and levels else part.index
-            )
-        ]
         y = np.arange(len(part))
         spread = np.vstack([part[value] - part[low], part[high] - part[value]])
         ax.barh(
             y, part[value], 0.6, xerr=spread, capsize=2, error_kw={"elinewidth": 0.8}
         )
         _label_bars(ax, y, part[value], part[high])
-        ax.set_yticks(y, labels)
+        ax.set_yticks(y, labels[key])
         ax.invert_yaxis()
         if key is not None:
             ax.set_title(" · ".join(map(str, np.atleast_1d(key))), loc="left")

@@ -42,6 +42,7 @@ __all__ = [
     "steps",
     "time_steps",
     "wrong_share",
+    "ladder_numbers",
 ]
 
 wp = warp()
@@ -211,3 +212,40 @@ def wrong_share(
         },
         name="queries wrong (%)",
     ).rename_axis("step")
+
+
+def ladder_numbers(ladder: pd.DataFrame) -> dict[str, float | str]:
+    """The numbers chapter 5 quotes from :func:`time_steps`' table (the smallest
+    operator first, then the four steps by their names in :func:`steps`), and a
+    sentence saying which steps are faster than the one before with ranges apart."""
+    ms = ladder["ms per call"]
+    names = list(ladder.index)
+    slower, noise = [], []
+    for before, step in zip(names, names[1:]):
+        if ladder.at[step, "slowest"] < ladder.at[before, "fastest"]:
+            continue
+        elif ladder.at[step, "fastest"] > ladder.at[before, "slowest"]:
+            slower.append(step)
+        else:
+            noise.append(step)
+    if not slower and not noise:
+        verdict = "Every step is faster than the one before it, and no two ranges overlap."
+    else:
+        parts = []
+        if slower:
+            parts.append(f"slower than the step before it: {', '.join(slower)}")
+        if noise:
+            parts.append(
+                f"within the noise of the step before it (the ranges overlap): {', '.join(noise)}"
+            )
+        verdict = "Not every step pays on its own; " + "; ".join(parts) + "."
+    return {
+        "steps_every_ms": float(ms.iloc[0]),
+        "steps_grid_ms": float(ms["hash grid"]),
+        "steps_grid_gain": float(ms.iloc[0] / ms["hash grid"]),
+        "steps_shifted_ms": float(ms["shifted, two walks"]),
+        "steps_online_ms": float(ms["online, one walk"]),
+        "steps_book_ms": float(ms["four features per thread"]),
+        "steps_total_gain": float(ms.iloc[0] / ms["four features per thread"]),
+        "steps_verdict": verdict,
+    }
