@@ -158,6 +158,8 @@ def run_step(kernel, grid, p_query, p_ref, feats, radius: float, sigma: float):
 def steps(device: torch.device) -> dict[str, Callable]:
     """Steps 2 to 5 as functions of ``(p_query, p_ref, feats, radius, sigma)``, by the
     name chapter 5 gives them, sharing one hash grid on ``device``."""
+    if device.type == "cuda" and device.index is None:  # Warp needs the ordinal
+        device = torch.device("cuda", torch.cuda.current_device())
     dims = (GRID_DIM,) * 3 if device.type == "cuda" else (32, 32, 32)
     grid = wp.HashGrid(*dims, device=wp.device_from_torch(device))
     kernels = {
