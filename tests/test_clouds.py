@@ -124,10 +124,11 @@ def test_targets_say_which_cloud_misses_which_goal():
 def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
     path = str(tmp_path / "geometry.json")
     old = [{"method": "fused", "ms": 1.0}, {"method": "cuml", "ms": 20.0}]
-    geometry._merge_into(path, {"runs": old, "checks": old})
+    geometry._merge_into(path, {"meta": {"date": "day 1"}, "runs": old, "checks": old})
     new = [{"method": "fused", "ms": 0.5}]
-    geometry._merge_into(path, {"runs": new, "checks": new})
+    geometry._merge_into(path, {"meta": {"date": "day 2"}, "runs": new, "checks": new})
     data = json.loads((tmp_path / "geometry.json").read_text())
+    assert data["meta"]["date"] == "day 1, day 2"  # cuml's rows are day 1's
     for key in ("runs", "checks"):
         assert sorted((r["method"], r["ms"]) for r in data[key]) == [
             ("cuml", 20.0),

@@ -322,9 +322,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _merge_into(path: str, parts: dict) -> None:
     """Adds ``parts`` to the JSON at ``path`` (runs, checks and traits are appended; a
-    method timed or checked again replaces its earlier rows), so that several calls
-    build one file."""
+    method timed or checked again replaces its earlier rows; the meta's date lists
+    every call's), so that several calls build one file."""
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    if "meta" in parts and "meta" in data:  # the date of every call, in order
+        dates = [*data["meta"]["date"].split(", "), parts["meta"]["date"]]
+        parts = {**parts, "meta": {**parts["meta"], "date": ", ".join(dict.fromkeys(dates))}}
     for key in ("runs", "checks", "traits"):
         if key in parts and key in data:
             again = {r["method"] for r in parts[key]}
