@@ -1055,20 +1055,46 @@ def test_the_steps_are_timed_in_order_against_the_step_before():
 def test_the_ladder_verdict_names_the_steps_that_do_not_pay():
     from extkernels.experiments import warp_steps
 
-    names = ["every point", "hash grid", "shifted, two walks", "online, one walk",
-             "four features per thread"]
+    names = [
+        "every point",
+        "hash grid",
+        "shifted, two walks",
+        "online, one walk",
+        "four features per thread",
+    ]
     ms = [10.0, 1.0, 1.2, 0.5, 0.3]
     table = pd.DataFrame(
-        {"ms per call": ms, "fastest": [m * 0.95 for m in ms],
-         "slowest": [m * 1.05 for m in ms]}, index=pd.Index(names, name="step"),
+        {
+            "ms per call": ms,
+            "fastest": [m * 0.95 for m in ms],
+            "slowest": [m * 1.05 for m in ms],
+        },
+        index=pd.Index(names, name="step"),
     )
     quoted = warp_steps.ladder_numbers(table)
     assert quoted["steps_grid_gain"] == pytest.approx(10.0)
     assert quoted["steps_total_gain"] == pytest.approx(10.0 / 0.3)
-    assert "slower than the step before it: shifted, two walks" in quoted["steps_verdict"]
+    assert (
+        "slower than the step before it: shifted, two walks" in quoted["steps_verdict"]
+    )
     assert "noise" not in quoted["steps_verdict"]
-    table.loc["online, one walk", ["ms per call", "fastest", "slowest"]] = [1.1, 1.0, 1.3]
+    table.loc["online, one walk", ["ms per call", "fastest", "slowest"]] = [
+        1.1,
+        1.0,
+        1.3,
+    ]
     verdict = warp_steps.ladder_numbers(table)["steps_verdict"]
-    assert "within the noise of the step before it (the ranges overlap): online, one walk" in verdict
-    table["ms per call"] = table["fastest"] = table["slowest"] = [10.0, 1.0, 0.9, 0.5, 0.3]
-    assert warp_steps.ladder_numbers(table)["steps_verdict"].startswith("Every step is faster")
+    assert (
+        "within the noise of the step before it (the ranges overlap): online, one walk"
+        in verdict
+    )
+    table["ms per call"] = table["fastest"] = table["slowest"] = [
+        10.0,
+        1.0,
+        0.9,
+        0.5,
+        0.3,
+    ]
+    assert warp_steps.ladder_numbers(table)["steps_verdict"].startswith(
+        "Every step is faster"
+    )

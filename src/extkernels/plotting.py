@@ -191,7 +191,9 @@ def range_bars(
     labels = {  # long names on up to three lines, so that the bars keep the column
         key: [
             textwrap.fill(
-                " · ".join(str(v) for v in np.atleast_1d(row)), 28, break_long_words=False
+                " · ".join(str(v) for v in np.atleast_1d(row)),
+                28,
+                break_long_words=False,
             )
             for row in (
                 part.index.droplevel(by) if by is not None and levels else part.index

@@ -327,7 +327,8 @@ def _merge_into(path: str, parts: dict) -> None:
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
     if "meta" in parts and "meta" in data:  # the date of every call, in order
         dates = [*data["meta"]["date"].split(", "), parts["meta"]["date"]]
-        parts = {**parts, "meta": {**parts["meta"], "date": ", ".join(dict.fromkeys(dates))}}
+        meta = {**parts["meta"], "date": ", ".join(dict.fromkeys(dates))}
+        parts = {**parts, "meta": meta}
     for key in ("runs", "checks", "traits"):
         if key in parts and key in data:
             again = {r["method"] for r in parts[key]}

@@ -24,6 +24,7 @@ launches of chapter 7.
 # No ``from __future__ import annotations`` here: Warp reads the kernels' annotations as
 # objects.
 import contextlib
+import itertools
 from collections.abc import Callable
 
 import pandas as pd
@@ -223,7 +224,7 @@ def ladder_numbers(ladder: pd.DataFrame) -> dict[str, float | str]:
     ms = ladder["ms per call"]
     names = list(ladder.index)
     slower, noise = [], []
-    for before, step in zip(names, names[1:]):
+    for before, step in itertools.pairwise(names):
         if ladder.at[step, "slowest"] < ladder.at[before, "fastest"]:
             continue
         elif ladder.at[step, "fastest"] > ladder.at[before, "slowest"]:
@@ -231,14 +232,17 @@ def ladder_numbers(ladder: pd.DataFrame) -> dict[str, float | str]:
         else:
             noise.append(step)
     if not slower and not noise:
-        verdict = "Every step is faster than the one before it, and no two ranges overlap."
+        verdict = (
+            "Every step is faster than the one before it, and no two ranges overlap."
+        )
     else:
         parts = []
         if slower:
             parts.append(f"slower than the step before it: {', '.join(slower)}")
         if noise:
             parts.append(
-                f"within the noise of the step before it (the ranges overlap): {', '.join(noise)}"
+                "within the noise of the step before it (the ranges overlap): "
+                + ", ".join(noise)
             )
         verdict = "Not every step pays on its own; " + "; ".join(parts) + "."
     return {
