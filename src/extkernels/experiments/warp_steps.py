@@ -33,7 +33,7 @@ import torch
 from ..ops.torch.brute_force import radius_aggregate as brute_force
 from ..ops.warp import kernels as book_kernels
 from ..ops.warp.interop import warp
-from ..timing import time_blocks
+from ..timing import ranked, time_blocks
 
 __all__ = [
     "grid_sum",
@@ -224,12 +224,14 @@ def ladder_numbers(ladder: pd.DataFrame) -> dict[str, float | str]:
     ms = ladder["ms per call"]
     names = list(ladder.index)
     slower, noise = [], []
+    span = {
+        name: (ladder.at[name, "fastest"], ladder.at[name, "slowest"]) for name in names
+    }
     for before, step in itertools.pairwise(names):
-        if ladder.at[step, "slowest"] < ladder.at[before, "fastest"]:
-            continue
-        elif ladder.at[step, "fastest"] > ladder.at[before, "slowest"]:
+        order = ranked(span[step], span[before], same="within the noise of")
+        if order == "slower than":
             slower.append(step)
-        else:
+        elif order == "within the noise of":
             noise.append(step)
     if not slower and not noise:
         verdict = (
