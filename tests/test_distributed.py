@@ -253,9 +253,17 @@ def test_the_scaling_command_times_every_world_layout_and_size():
     want |= {("reference", 2)}
     assert seen == {(layout, w, n) for layout, w in want for n in (300, 600)}
     assert all(r["forward_ms"] > 0 and r["train_ms"] > 0 for r in result["runs"])
-    (prof,) = result["profiles"]
-    assert (prof["world"], prof["n_ref"]) == (2, 600)
-    assert 0 < prof["comm_share"] < 1
+    profiles = {(p["layout"], p["world"]): p for p in result["profiles"]}
+    assert set(profiles) == {("single", 1), ("reference", 1), ("reference", 2)}
+    assert {p["n_ref"] for p in profiles.values()} == {600}
+    assert 0 < profiles["reference", 2]["comm_share"] < 1
+    assert profiles["single", 1]["comm_share"] == 0  # no process group, no collective
+    for p in profiles.values():
+        *each, total = p["parts"].values()
+        assert total == pytest.approx(sum(each)) and all(t >= 0 for t in each)
+        assert (
+            p["parts"]["matrix products"] > 0 and p["parts"]["the book's kernels"] > 0
+        )
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ speedups, weak-scaling pairs, where several ranks start to pay, traffic per step
 import json
 import math
 
+import pandas as pd
 import pytest
 
 from extkernels.distributed import report
@@ -105,3 +106,63 @@ def test_merged_files_keep_every_run_and_profile(tmp_path):
     )
     with pytest.raises(ValueError, match="paths: expected files from one machine"):
         merge([str(paths[0]), str(other)])
+
+
+def _profile(layout, world, mm, ours, rest, workload="radius"):
+    parts = {"matrix products": mm, "the book's kernels": ours, "everything else": rest}
+    total = mm + ours + rest
+    return {
+        "workload": workload,
+        "layout": layout,
+        "world": world,
+        "n_ref": 1000,
+        "comm_ms": 0.1 * (world > 1),
+        "total_ms": total,
+        "comm_share": 0.1 * (world > 1) / total,
+        "parts": dict(parts, total=total),
+    }
+
+
+def test_parts_set_each_rank_beside_one_device_in_order_of_ranks():
+    profiles = pd.DataFrame(
+        [
+            _profile("reference", 4, 1.5, 0.4, 1.0),
+            _profile("single", 1, 6.0, 2.0, 2.0),
+            _profile("reference", 2, 3.0, 0.5, 1.0),
+            _profile("reference", 1, 6.0, 2.0, 2.5),
+            _profile("single", 1, 9.0, 9.0, 9.0, workload="knn"),
+        ]
+    )
+    p = report.parts(profiles, "radius")
+    assert list(p.columns[:4]) == [
+        f"{c} (ms)"
+        for c in ("one device", "reference x 1", "reference x 2", "reference x 4")
+    ]
+    assert p.loc["the book's kernels", "one device / reference x 2"] == 4.0  # 2 / 0.5
+    assert p.loc["the whole step", "one device / reference x 2"] == round(10 / 4.5, 2)
+    assert "one device / reference x 1" not in p.columns
+    comm = report.communication(profiles)
+    assert list(comm["config"][:2]) == ["reference x 4", "one device"]
+    assert comm["communication (%)"].iloc[1] == 0
+
+
+def test_headlines_name_what_the_prose_quotes():
+    tab = report.frame(RUNS)
+    profiles = pd.DataFrame(
+        [
+            _profile("single", 1, 6.0, 2.0, 2.0, workload="knn"),
+            _profile("reference", 2, 3.0, 0.5, 1.0, workload="knn"),
+        ]
+    )
+    h = report.headlines(tab, profiles)
+    assert (h["n_big"], h["n_small"]) == ("1,000", "10")
+    assert h["knn_train_big_reference_x2"] == pytest.approx(16 / 5, abs=0.01)
+    assert h["knn_train_small_reference_x2"] == pytest.approx(1 / 3, abs=0.01)
+    assert not any(k.endswith("_x1") for k in h)  # one rank divides nothing
+    assert h["knn_ours_x2"] == 4.0 and h["knn_step_x2"] == round(10 / 4.5, 2)
+    assert h["knn_comm_pct_x2"] == pytest.approx(100 * 0.1 / 4.5)
+    weak = report.weak(tab)
+    assert (
+        h["knn_weak_10_x2"]
+        == weak.loc[weak["points per rank"] == 10, "efficiency"].item()
+    )

@@ -9,10 +9,11 @@ A rank's time is the median block; the row keeps the slowest rank's, since a ste
 when its last rank does. One launch is one run; the command repeats launches in fresh
 processes and reports medians and spreads over them.
 
-With ``profile``, rank 0 profiles training steps of the largest size in the
-``reference`` layout at the largest world size, and :func:`communication_share` sums
-the device time of the collectives' kernels (NCCL's on a GPU, gloo's operators on the
-CPU).
+With ``profile_steps``, rank 0 profiles training steps at the largest size of the
+``single`` layout and of the ``reference`` layout at every world size, so that one
+device's step can be set beside one rank's share of it, kernel by kernel;
+:func:`communication_share` sums the device time of the collectives' kernels (NCCL's
+on a GPU, gloo's operators on the CPU).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..timing import peak_memory_mb, time_blocks, timings_frame
 from .launch import max_over_ranks
 from .setups import make_setup
 
-__all__ = ["measure", "communication_share", "table"]
+__all__ = ["measure", "communication_share", "device_parts", "table"]
 
 
 def communication_share(prof) -> dict:
@@ -57,6 +58,33 @@ def communication_share(prof) -> dict:
         "total_ms": total / 1e3 / n,
         "comm_share": comm / total if total else math.nan,
     }
+
+
+PARTS = {
+    "matrix products": ("aten::mm", "aten::addmm"),
+    "the book's kernels": ("extkernels",),
+}
+
+
+def device_parts(prof) -> dict:
+    """Milliseconds per iteration of a profiled step, by operator: the matrix
+    products (``aten::mm``, ``aten::addmm``, the MLPs' bulk), the book's own operators
+    (search and sums), everything else, and the total. An operator's time is its self
+    time on the device (on the CPU, its self CPU time), as in
+    :func:`~extkernels.profiling.top_kernels`."""
+    n = getattr(prof, "n_iters", 1)
+    on_gpu = getattr(prof, "device_type", "cpu") == "cuda"
+    parts = dict.fromkeys([*PARTS, "everything else"], 0.0)
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CPU:
+            continue
+        t = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3 / n
+        part = next(
+            (p for p, names in PARTS.items() if e.key.startswith(names)),
+            "everything else",
+        )
+        parts[part] += t
+    return dict(parts, total=sum(parts.values()))
 
 
 def _time(setup, prob: Problem, blocks: int) -> dict:
@@ -87,13 +115,14 @@ def measure(
     """Time every (world, layout, size) of one workload; call on every rank.
 
     Returns:
-        ``{"rows": [...], "profile": {...} or None}`` (rank 0's is the one to keep):
-        a row per configuration with ``workload``, ``layout``, ``world``, ``n_ref``,
+        ``{"rows": [...], "profiles": [...]}`` (rank 0's is the one to keep): a row
+        per configuration with ``workload``, ``layout``, ``world``, ``n_ref``,
         ``n_query``, ``forward_ms``, ``train_ms`` and ``peak_mb`` (the slowest
-        rank's); the profile's communication share and top kernels.
+        rank's); a profile per profiled configuration, with its communication share
+        and top kernels.
     """
     rank = dist.get_rank()
-    out_rows, prof_out = [], None
+    out_rows, profiles = [], []
     for w in worlds:
         group = dist.new_group(list(range(w)))  # every rank takes part in creating it
         for layout in layouts:
@@ -112,17 +141,21 @@ def measure(
                         group=group,
                     )
                     row = max_over_ranks(_time(setup, prob, blocks), group)
-                    last = w == max(worlds) and n == max(sizes)
-                    if profile_steps and layout == "reference" and last:
+                    largest = n == max(sizes)
+                    if profile_steps and largest and layout in ("single", "reference"):
                         step = setup.train_step()
                         if rank == 0:
                             prof = profile(step, device=device, n_iters=profile_steps)
-                            prof_out = {
-                                "world": w,
-                                "n_ref": n,
-                                **communication_share(prof),
-                                "top": top_kernels(prof, top=10).to_dict("records"),
-                            }
+                            profiles.append(
+                                {
+                                    "layout": layout,
+                                    "world": w,
+                                    "n_ref": n,
+                                    **communication_share(prof),
+                                    "parts": device_parts(prof),
+                                    "top": top_kernels(prof, top=12).to_dict("records"),
+                                }
+                            )
                         else:
                             for _ in range(1 + profile_steps):
                                 step()
@@ -142,7 +175,7 @@ def measure(
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 dist.barrier()
-    return {"rows": out_rows, "profile": prof_out}
+    return {"rows": out_rows, "profiles": profiles}
 
 
 def table(rows: list[dict]) -> pd.DataFrame:

@@ -132,8 +132,8 @@ def bench(
         )
         for workload, result in zip(workloads, results, strict=True):
             runs += [dict(r, run=repeat) for r in result["rows"]]
-            if repeat == 0 and result["profile"]:
-                profiles.append(dict(result["profile"], workload=workload))
+            if repeat == 0:
+                profiles += [dict(p, workload=workload) for p in result["profiles"]]
         kwargs["profile_steps"] = 0  # one profile is enough
     return {"runs": runs, "profiles": profiles}
 

@@ -28,6 +28,8 @@ __all__ = [
     "weak",
     "pays_from",
     "communication",
+    "parts",
+    "headlines",
     "traffic",
 ]
 
@@ -112,7 +114,7 @@ def weak(
                         "points per rank": n,
                         "ranks": w,
                         "one rank (ms)": round(t, 3),
-                        f"{w} ranks (ms)": round(mine[key], 3),
+                        "W ranks (ms)": round(mine[key], 3),
                         "efficiency": round(t / mine[key], 2),
                     }
                 )
@@ -139,11 +141,16 @@ def pays_from(tab: pd.DataFrame, config: str, metric: str = "train") -> dict:
     }
 
 
+def _configs(profiles: pd.DataFrame) -> list[str]:
+    layouts = profiles.get("layout", pd.Series("reference", index=profiles.index))
+    return [label(lay, w) for lay, w in zip(layouts, profiles["world"], strict=True)]
+
+
 def communication(profiles: pd.DataFrame) -> pd.DataFrame:
     """The profiled training steps: communication per step and its share of the
-    device time."""
-    cols = ["workload", "world", "n_ref", "comm_ms", "total_ms", "comm_share"]
-    out = profiles[cols].copy()
+    device time (on rank 0)."""
+    cols = ["workload", "config", "n_ref", "comm_ms", "total_ms", "comm_share"]
+    out = profiles.assign(config=_configs(profiles))[cols]
     out["comm_share"] = (100 * out["comm_share"]).round(1)
     return out.rename(
         columns={
@@ -153,6 +160,72 @@ def communication(profiles: pd.DataFrame) -> pd.DataFrame:
             "comm_share": "communication (%)",
         }
     ).round(3)
+
+
+def parts(profiles: pd.DataFrame, workload: str) -> pd.DataFrame:
+    """Where one profiled training step of ``workload`` spends its device time
+    (:func:`~.bench.device_parts`), on one device and on rank 0 of each ``reference``
+    layout: milliseconds per part, and for several ranks how many times less than one
+    device (above the number of ranks: the part shrinks faster than the work is
+    divided)."""
+    mine = profiles[profiles["workload"] == workload]
+    ms = pd.DataFrame(dict(zip(_configs(mine), mine["parts"], strict=True)))
+    ms = ms.rename(index={"total": "the whole step"})
+
+    def world(config: str) -> int:
+        return 1 if config == "one device" else int(config.rsplit(" x ", 1)[1])
+
+    ms = ms[sorted(ms.columns, key=lambda c: (world(c), c != "one device"))]
+    out = ms.round(3).rename(columns=lambda c: f"{c} (ms)")
+    for c in ms.columns:
+        if world(c) > 1:
+            out[f"one device / {c}"] = (ms["one device"] / ms[c]).round(2)
+    return out.rename_axis("part of the step")
+
+
+_PART_KEYS = {
+    "matrix products": "mm",
+    "the book's kernels": "ours",
+    "everything else": "rest",
+    "the whole step": "step",
+}
+
+
+def headlines(tab: pd.DataFrame, profiles: pd.DataFrame) -> dict:
+    """The numbers chapter 13's prose quotes, by name, for ``glue``: ``n_big`` and
+    ``n_small`` (the largest and smallest clouds one device ran); every layout's
+    speedup over one device at those sizes, ``{workload}_{metric}_{big|small}_{layout}
+    _x{W}``; the weak-scaling efficiencies, ``{workload}_weak_{points per rank}_x{W}``;
+    the communication share of the profiled steps, ``{workload}_comm_pct_x{W}``; and
+    how many times less each part of the step takes on a rank than on one device,
+    ``{workload}_{mm|ours|rest|step}_x{W}``."""
+    big = int(tab.loc[tab["layout"] == "single", "n_ref"].max())
+    small = int(tab["n_ref"].min())
+    out: dict = {"n_big": f"{big:,}", "n_small": f"{small:,}"}
+    for metric in ("forward", "train"):
+        s = speedups(tab, metric)
+        for (workload, n), row in s.iterrows():
+            size = {big: "big", small: "small"}.get(n)
+            for config, value in row.dropna().items():
+                if size and " x " in config and not config.endswith(" x 1"):
+                    layout, w = config.split(" x ")
+                    out[f"{workload}_{metric}_{size}_{layout}_x{w}"] = float(value)
+    for r in weak(tab).itertuples():
+        out[f"{r.workload}_weak_{r[2]}_x{r.ranks}"] = float(r.efficiency)
+    for workload in profiles["workload"].unique():
+        mine = profiles[profiles["workload"] == workload]
+        for r in mine.itertuples():
+            if getattr(r, "layout", "reference") == "reference" and r.world > 1:
+                out[f"{workload}_comm_pct_x{r.world}"] = 100 * float(r.comm_share)
+        if "parts" not in mine:
+            continue
+        p = parts(profiles, workload)
+        for column in p.columns:
+            if column.startswith("one device / "):
+                w = column.rsplit(" x ", 1)[1]
+                for part, key in _PART_KEYS.items():
+                    out[f"{workload}_{key}_x{w}"] = float(p.loc[part, column])
+    return out
 
 
 def traffic(m: int, k: int, f: int, world: int, params: int) -> pd.DataFrame:
