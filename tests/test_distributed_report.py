@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from extkernels.distributed import report
+from extkernels.distributed.bench import part_of
 from extkernels.distributed.command import merge
 
 
@@ -159,6 +160,7 @@ def test_headlines_name_what_the_prose_quotes():
     assert h["knn_train_big_reference_x2"] == pytest.approx(16 / 5, abs=0.01)
     assert h["knn_train_small_reference_x2"] == pytest.approx(1 / 3, abs=0.01)
     assert not any(k.endswith("_x1") for k in h)  # one rank divides nothing
+    assert "knn_train_doubling" not in h  # no run at half the largest cloud
     assert h["knn_ours_x2"] == 4.0 and h["knn_step_x2"] == round(10 / 4.5, 2)
     assert h["knn_comm_pct_x2"] == pytest.approx(100 * 0.1 / 4.5)
     weak = report.weak(tab)
@@ -166,3 +168,12 @@ def test_headlines_name_what_the_prose_quotes():
         h["knn_weak_10_x2"]
         == weak.loc[weak["points per rank"] == 10, "efficiency"].item()
     )
+
+
+def test_an_operator_counts_in_its_part_autograd_nodes_of_the_book_included():
+    assert part_of("aten::addmm") == "matrix products"
+    assert part_of("extkernels_fused::knn") == "the book's kernels"
+    # the forward of an operator with a registered autograd runs under its node's name
+    node = "GeneratedBackwardFor_extkernels_fused_radius_aggregate_fwd_def"
+    assert part_of(node) == "the book's kernels"
+    assert part_of("aten::threshold_backward") == "everything else"

@@ -33,7 +33,7 @@ from ..timing import peak_memory_mb, time_blocks, timings_frame
 from .launch import max_over_ranks
 from .setups import make_setup
 
-__all__ = ["measure", "communication_share", "device_parts", "table"]
+__all__ = ["measure", "communication_share", "device_parts", "part_of", "table"]
 
 
 def communication_share(prof) -> dict:
@@ -60,30 +60,33 @@ def communication_share(prof) -> dict:
     }
 
 
-PARTS = {
-    "matrix products": ("aten::mm", "aten::addmm"),
-    "the book's kernels": ("extkernels",),
-}
+def part_of(operator: str) -> str:
+    """The part of a step an operator belongs to: ``matrix products`` (``aten::mm``,
+    ``aten::addmm``: the MLPs' bulk), ``the book's kernels`` (any operator of the
+    book's libraries, autograd's node of one included: its forward's kernels run under
+    ``GeneratedBackwardFor_extkernels_...``), or ``everything else``."""
+    if operator in ("aten::mm", "aten::addmm"):
+        return "matrix products"
+    if "extkernels" in operator:
+        return "the book's kernels"
+    return "everything else"
 
 
 def device_parts(prof) -> dict:
-    """Milliseconds per iteration of a profiled step, by operator: the matrix
-    products (``aten::mm``, ``aten::addmm``, the MLPs' bulk), the book's own operators
-    (search and sums), everything else, and the total. An operator's time is its self
-    time on the device (on the CPU, its self CPU time), as in
+    """Milliseconds per iteration of a profiled step in the parts of
+    :func:`part_of`, and their total. An operator's time is its self time on the
+    device (on the CPU, its self CPU time), as in
     :func:`~extkernels.profiling.top_kernels`."""
     n = getattr(prof, "n_iters", 1)
     on_gpu = getattr(prof, "device_type", "cpu") == "cuda"
-    parts = dict.fromkeys([*PARTS, "everything else"], 0.0)
+    parts = dict.fromkeys(
+        ["matrix products", "the book's kernels", "everything else"], 0.0
+    )
     for e in prof.key_averages():
         if e.device_type != DeviceType.CPU:
             continue
         t = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3 / n
-        part = next(
-            (p for p, names in PARTS.items() if e.key.startswith(names)),
-            "everything else",
-        )
-        parts[part] += t
+        parts[part_of(e.key)] += t
     return dict(parts, total=sum(parts.values()))
 
 

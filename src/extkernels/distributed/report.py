@@ -196,7 +196,10 @@ def headlines(tab: pd.DataFrame, profiles: pd.DataFrame) -> dict:
     ``n_small`` (the largest and smallest clouds one device ran); every layout's
     speedup over one device at those sizes, ``{workload}_{metric}_{big|small}_{layout}
     _x{W}``; the weak-scaling efficiencies, ``{workload}_weak_{points per rank}_x{W}``;
-    the communication share of the profiled steps, ``{workload}_comm_pct_x{W}``; and
+    one device's milliseconds at ``n_small``, ``{workload}_{metric}_small_ms``, and
+    how many times longer it takes on ``n_big`` points than on half as many,
+    ``{workload}_{metric}_doubling``; the communication share of the profiled steps,
+    ``{workload}_comm_pct_x{W}``; and
     how many times less each part of the step takes on a rank than on one device,
     ``{workload}_{mm|ours|rest|step}_x{W}``."""
     big = int(tab.loc[tab["layout"] == "single", "n_ref"].max())
@@ -210,6 +213,17 @@ def headlines(tab: pd.DataFrame, profiles: pd.DataFrame) -> dict:
                 if size and " x " in config and not config.endswith(" x 1"):
                     layout, w = config.split(" x ")
                     out[f"{workload}_{metric}_{size}_{layout}_x{w}"] = float(value)
+    one = tab[tab["layout"] == "single"].set_index(["workload", "n_ref"])
+    for workload in one.index.unique("workload"):
+        for metric in ("forward", "train"):
+            out[f"{workload}_{metric}_small_ms"] = float(
+                one[f"{metric}_ms"][workload, small]
+            )
+            if (workload, big // 2) in one.index:
+                ms = one[f"{metric}_ms"]
+                out[f"{workload}_{metric}_doubling"] = float(
+                    ms[workload, big] / ms[workload, big // 2]
+                )
     for r in weak(tab).itertuples():
         out[f"{r.workload}_weak_{r[2]}_x{r.ranks}"] = float(r.efficiency)
     for workload in profiles["workload"].unique():
