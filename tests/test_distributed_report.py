@@ -177,3 +177,23 @@ def test_an_operator_counts_in_its_part_autograd_nodes_of_the_book_included():
     node = "GeneratedBackwardFor_extkernels_fused_radius_aggregate_fwd_def"
     assert part_of(node) == "the book's kernels"
     assert part_of("aten::threshold_backward") == "everything else"
+
+
+def test_the_scaling_figure_has_a_panel_per_workload_and_metric_and_one_legend():
+    runs = RUNS + [dict(r, workload="radius") for r in RUNS]
+    fig = report.scaling_panels(report.frame(runs), hardware="2 x GPU")
+    titles = [ax.get_title().splitlines()[0] for ax in fig.axes]
+    assert titles == [
+        "kNN: forward pass",
+        "kNN: training step",
+        "radius: forward pass",
+        "radius: training step",
+    ]
+    assert {ax.get_xlabel() for ax in fig.axes} == {"points in the cloud, N"}
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "one device",
+        "reference x 1",
+        "reference x 2",
+    ]

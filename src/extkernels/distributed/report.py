@@ -14,9 +14,11 @@ import json
 import math
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pandas as pd
 
 from ..experiments.scaling import crossover
+from ..plotting import scaling_plot
 from .bench import table
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "speedups",
     "weak",
     "pays_from",
+    "scaling_panels",
     "communication",
     "parts",
     "headlines",
@@ -119,6 +122,38 @@ def weak(
                     }
                 )
     return pd.DataFrame(rows)
+
+
+def scaling_panels(tab: pd.DataFrame, *, hardware: str):
+    """Chapter 13's figure: milliseconds of every configuration against the cloud's
+    size, log-log, the forward pass and the training step (columns) of each workload
+    (rows), one legend for all four panels.
+
+    Returns:
+        The matplotlib figure.
+    """
+    # drawn at the book's column width (about 7.5 inches at 100 dpi), so that the fonts
+    # keep their size on the page
+    fig, axes = plt.subplots(2, 2, figsize=(7.6, 7.8))
+    named = tab.rename(columns={"n_ref": "points in the cloud, N"})
+    for row, workload in zip(axes, ("knn", "radius"), strict=True):
+        for ax, metric in zip(row, ("forward", "train"), strict=True):
+            what = "training step" if metric == "train" else "forward pass"
+            scaling_plot(
+                named[named["workload"] == workload],
+                x="points in the cloud, N",
+                y=f"{metric}_ms",
+                by="config",
+                title=f"{'kNN' if workload == 'knn' else 'radius'}: {what}",
+                hardware=hardware,
+                ylabel=f"ms per {what}",
+                ax=ax,
+            )
+            ax.get_legend().remove()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
 
 
 def pays_from(tab: pd.DataFrame, config: str, metric: str = "train") -> dict:
