@@ -428,6 +428,7 @@ def test_chapter_9s_quotes_read_the_right_rows():
     assert quotes["graphs_train_ms"] == 0.56 and quotes["triton_ro_fwd_ms"] == 0.35
     assert quotes["compiled_vs_eager_forward"] == "faster than"
     assert quotes["compiled_vs_eager_train"] == "within the run-to-run spread of"
+    assert quotes["triton_vs_cpp_ro_train"] == "slower than"  # 1.6 against 1.5
     shares = timing.above_floor(
         table,
         {
@@ -440,6 +441,28 @@ def test_chapter_9s_quotes_read_the_right_rows():
     assert floor["floor_eager_forward_ms"] == 0.28
     assert floor["floor_vs_forward_goal"] == "0.020 ms under the 0.30 ms goal"
     assert floor["floor_vs_training_goal"] == "1.000 ms above the 0.70 ms goal"
+    goals = {"knn/cpp": (0.30, 0.70), "knn/cpp+graphs": (0.30, 0.50)}
+    pairs = {
+        "eager": ("knn/cpp", "knn/floor"),
+        "graphs": ("knn/cpp+graphs", "knn/floor+graphs"),
+    }
+    words = cuda_knn.goal_quotes(timing.against_goals(table, goals), table, pairs)
+    assert words["eager_goals"] == "misses both"
+    assert words["graphs_goals"] == "meets the forward goal and misses the training one"
+    # ranges are the medians +- 0.01: 0.50 and 0.28 lie apart, and so do 2.5 and 1.7
+    assert "lie apart" in words["spread_eager_forward"]
+    met = timing.against_goals(table, {"knn/cpp": (0.6, 0.7)})
+    assert cuda_knn.goal_quotes(met, table, pairs)["eager_goals"] == (
+        "meets the forward goal and misses the training one"
+    )
+    close = _table({"knn/cpp": (0.30, 1.0), "knn/floor": (0.295, 0.5)})
+    near = cuda_knn.goal_quotes(
+        timing.against_goals(close, {"knn/cpp": (0.30, 0.70)}),
+        close,
+        {"eager": ("knn/cpp", "knn/floor")},
+    )
+    assert "overlap" in near["spread_eager_forward"]
+    assert "lie apart" in near["spread_eager_training"]
 
 
 def test_chapter_9s_profile_quotes_count_what_they_name():

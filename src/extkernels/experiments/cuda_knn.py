@@ -15,7 +15,7 @@ import torch
 
 from ..ops.checks import value_checks
 from ..profiling import gpu_busy_fraction, profile, runtime_calls, timeline, top_kernels
-from ..timing import verdict
+from ..timing import ranked, verdict
 
 __all__ = [
     "first_errors",
@@ -25,6 +25,7 @@ __all__ = [
     "vector_load_quotes",
     "timing_quotes",
     "floor_quotes",
+    "goal_quotes",
     "launch_quotes",
     "kernel_quotes",
 ]
@@ -140,7 +141,9 @@ def timing_quotes(table: pd.DataFrame) -> dict[str, float | str]:
     :func:`~extkernels.benchmark.run_all`): ``<prefix>_fwd_ms`` and
     ``<prefix>_train_ms`` for each variant of :data:`QUOTED`, and
     ``compiled_vs_eager_forward`` / ``_train``, the compiled projector against the eager
-    one in words (:func:`~extkernels.timing.verdict`)."""
+    one in words (:func:`~extkernels.timing.verdict`), and ``triton_vs_cpp_ro_train``,
+    chapter 8's Triton projector against this one, both through
+    ``mode="reduce-overhead"``."""
     out: dict[str, float | str] = {}
     for prefix, name in QUOTED.items():
         out[f"{prefix}_fwd_ms"] = float(table.loc[name, "forward_ms"])
@@ -149,6 +152,9 @@ def timing_quotes(table: pd.DataFrame) -> dict[str, float | str]:
         out[f"compiled_vs_eager_{metric}"] = verdict(
             table, "knn/cpp+compile", "knn/cpp", metric
         )
+    out["triton_vs_cpp_ro_train"] = verdict(
+        table, QUOTED["triton_ro"], QUOTED["ro"], "train"
+    )
     return out
 
 
@@ -171,6 +177,49 @@ def floor_quotes(shares: pd.DataFrame, goals: tuple[float, float]) -> dict:
             if floor > goal
             else f"{goal - floor:.3f} ms under the {goal:.2f} ms goal"
         )
+    return out
+
+
+def goal_quotes(
+    targets: pd.DataFrame, table: pd.DataFrame, pairs: dict[str, tuple[str, str]]
+) -> dict[str, str]:
+    """The verdicts chapter 9's prose reads, in words. ``eager_goals`` and
+    ``graphs_goals``: how the eager projector and the one in a CUDA graph fare against
+    their two goals, from :func:`~extkernels.timing.against_goals` (``"meets both"``,
+    ``"misses both"``, or which one it meets). And for each label of
+    ``pairs`` (``label -> (variant, floor variant)``, as for
+    :func:`~extkernels.timing.above_floor`) and each metric,
+    ``spread_<how>_<metric>`` (``how`` is ``eager`` or ``graphs``, ``metric``
+    ``forward`` or ``training``): whether the two variants' min–max ranges over the
+    runs lie apart, so that the difference of their medians is measured, or overlap,
+    so that it is within the spread."""
+    out = {}
+    for prefix in ("eager", "graphs"):
+        if QUOTED[prefix] not in targets.index:
+            continue
+        row = targets.loc[QUOTED[prefix]]
+        fwd = row["forward ms"] <= row["forward goal"]
+        train = row["training ms"] <= row["training goal"]
+        out[f"{prefix}_goals"] = {
+            (True, True): "meets both",
+            (False, False): "misses both",
+            (True, False): "meets the forward goal and misses the training one",
+            (False, True): "misses the forward goal and meets the training one",
+        }[bool(fwd), bool(train)]
+    for label, (name, floor) in pairs.items():
+        how = "eager" if label == "eager" else "graphs"
+        for metric, key in (("forward", "forward"), ("training", "train")):
+            apart = ranked(
+                (table.loc[name, f"{key}_min"], table.loc[name, f"{key}_max"]),
+                (table.loc[floor, f"{key}_min"], table.loc[floor, f"{key}_max"]),
+                same="overlap",
+            )
+            out[f"spread_{how}_{metric}"] = (
+                "their min–max ranges lie apart, so the difference is measured"
+                if apart != "overlap"
+                else "their min–max ranges overlap, so the difference is within the"
+                " run-to-run spread and only approximate"
+            )
     return out
 
 
