@@ -177,8 +177,8 @@ def pays_from(tab: pd.DataFrame, config: str, metric: str = "train") -> dict:
 
 
 def _configs(profiles: pd.DataFrame) -> list[str]:
-    layouts = profiles.get("layout", pd.Series("reference", index=profiles.index))
-    return [label(lay, w) for lay, w in zip(layouts, profiles["world"], strict=True)]
+    pairs = zip(profiles["layout"], profiles["world"], strict=True)
+    return [label(layout, w) for layout, w in pairs]
 
 
 def communication(profiles: pd.DataFrame) -> pd.DataFrame:
@@ -204,17 +204,14 @@ def parts(profiles: pd.DataFrame, workload: str) -> pd.DataFrame:
     device (above the number of ranks: the part shrinks faster than the work is
     divided)."""
     mine = profiles[profiles["workload"] == workload]
-    ms = pd.DataFrame(dict(zip(_configs(mine), mine["parts"], strict=True)))
+    mine = mine.assign(ranked=mine["layout"] != "single")  # one device first
+    mine = mine.sort_values(["world", "ranked"]).assign(config=_configs)
+    ms = pd.DataFrame(dict(zip(mine["config"], mine["parts"], strict=True)))
     ms = ms.rename(index={"total": "the whole step"})
-
-    def world(config: str) -> int:
-        return 1 if config == "one device" else int(config.rsplit(" x ", 1)[1])
-
-    ms = ms[sorted(ms.columns, key=lambda c: (world(c), c != "one device"))]
     out = ms.round(3).rename(columns=lambda c: f"{c} (ms)")
-    for c in ms.columns:
-        if world(c) > 1:
-            out[f"one device / {c}"] = (ms["one device"] / ms[c]).round(2)
+    for config, world in zip(mine["config"], mine["world"], strict=True):
+        if world > 1:
+            out[f"one device / {config}"] = (ms["one device"] / ms[config]).round(2)
     return out.rename_axis("part of the step")
 
 
@@ -234,9 +231,8 @@ def headlines(tab: pd.DataFrame, profiles: pd.DataFrame) -> dict:
     one device's milliseconds at ``n_small``, ``{workload}_{metric}_small_ms``, and
     how many times longer it takes on ``n_big`` points than on half as many,
     ``{workload}_{metric}_doubling``; the communication share of the profiled steps,
-    ``{workload}_comm_pct_x{W}``; and
-    how many times less each part of the step takes on a rank than on one device,
-    ``{workload}_{mm|ours|rest|step}_x{W}``."""
+    ``{workload}_comm_pct_x{W}``; and how many times less each part of the step takes
+    on a rank than on one device, ``{workload}_{mm|ours|rest|step}_x{W}``."""
     big = int(tab.loc[tab["layout"] == "single", "n_ref"].max())
     small = int(tab["n_ref"].min())
     out: dict = {"n_big": f"{big:,}", "n_small": f"{small:,}"}
@@ -264,10 +260,8 @@ def headlines(tab: pd.DataFrame, profiles: pd.DataFrame) -> dict:
     for workload in profiles["workload"].unique():
         mine = profiles[profiles["workload"] == workload]
         for r in mine.itertuples():
-            if getattr(r, "layout", "reference") == "reference" and r.world > 1:
+            if r.layout == "reference" and r.world > 1:
                 out[f"{workload}_comm_pct_x{r.world}"] = 100 * float(r.comm_share)
-        if "parts" not in mine:
-            continue
         p = parts(profiles, workload)
         for column in p.columns:
             if column.startswith("one device / "):
