@@ -121,6 +121,22 @@ def test_targets_say_which_cloud_misses_which_goal():
     assert isinstance(goals, pd.DataFrame)
 
 
+def test_the_timed_calls_skip_the_value_checks_after_a_checked_first_call(
+    monkeypatch,
+):
+    from extkernels.ops.checks import value_checks_on
+
+    seen = []
+    monkeypatch.setattr(
+        geometry, "_search", lambda method, w, k: lambda: seen.append(value_checks_on())
+    )
+    rows = geometry.time_method("fused", ["normal"], [200], side=3)
+    assert seen[0] is True, "the first call runs every check"
+    timed = seen[-3 * rows[0]["iters"] :]
+    assert timed and not any(timed), "the timed blocks ran with the value checks on"
+    assert value_checks_on(), "the switch is left as it was"
+
+
 def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
     path = str(tmp_path / "geometry.json")
     old = [{"method": "fused", "ms": 1.0}, {"method": "cuml", "ms": 20.0}]

@@ -7,10 +7,12 @@ every cloud of :mod:`~extkernels.clouds`, checked and timed.
 ``bench`` runs every method ``--repeats`` times, each in a fresh Python process that
 times it on every (cloud, size): milliseconds per call of the public entry point
 :func:`extkernels.knn` (search only, k = 7, ``side^3`` queries), the median of 3
-blocks of calls. The radius methods (``fused-radius``, ``warp-radius``) time
-:func:`extkernels.radius_aggregate` the same way (radius 0.1, 25 features). The table
-gives, per (cloud, size, method), the median over the processes and its spread
-(min-max), and writes every run as JSON.
+blocks of calls. As in every chapter's timing (:mod:`extkernels.timing`), the first
+call runs every input check and the timed calls skip the checks of tensor values,
+which make the host wait for the GPU on each call. The radius methods
+(``fused-radius``, ``warp-radius``) time :func:`extkernels.radius_aggregate` the same
+way (radius 0.1, 25 features). The table gives, per (cloud, size, method), the median
+over the processes and its spread (min-max), and writes every run as JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from .. import clouds, reference
 from ..notebook import versions
 from ..ops import fused, knn, radius_aggregate
+from ..ops.checks import value_checks
 from ..problem import problem
 from ..results import at_size, radius_targets, targets
 from ..timing import time_blocks, time_fn
@@ -160,16 +163,18 @@ def time_method(
 ) -> list[dict]:
     """Milliseconds per search of ``method`` on each (cloud, size), in this process:
     the median of 3 blocks of calls, each block about ``budget_ms`` long (at least one
-    call, at most 10)."""
+    call, at most 10), after a first call with every input check; the timed calls skip
+    the value checks."""
     rows = []
     device = problem().device
     for name in geometries:
         for n in sizes:
             w = clouds.workload(name, n, side=side, device=device)
             fn = _search(method, w, k)
-            once = time_fn(fn, 1)
+            once = time_fn(fn, 1)  # with every input check, as a first call runs
             n_iters = max(1, min(10, int(budget_ms / max(once, 1e-3))))
-            ms, lo, hi = time_blocks(fn, n_iters, repeats=3)
+            with value_checks(False):  # timed as in every chapter (timing module)
+                ms, lo, hi = time_blocks(fn, n_iters, repeats=3)
             rows.append(
                 {
                     "geometry": name,
