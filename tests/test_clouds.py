@@ -218,6 +218,12 @@ def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
         "radius_worst": 1.5,
         "radius_worst_cloud": "clusters",
     }
+    pairs = pd.DataFrame({"pairs / normal": [1.0, 3.0]}, index=["normal", "clusters"])
+    q = geometry_report.radius_quotes(radius, pairs)
+    assert q["radius_worst_pairs"] == 3.0 and q["radius_per_pair_worst"] == 0.5
+    assert q["radius_per_pair_verdict"] == "no cloud costs more than the book's"
+    q = geometry_report.radius_quotes(radius, pairs.assign(**{"pairs / normal": 1.0}))
+    assert q["radius_per_pair_verdict"].endswith("on clusters")
     props = pd.DataFrame(
         {"waits": [False, True, True], "captures": [True, False, False]},
         index=["fused", "cuml", "cuvs"],

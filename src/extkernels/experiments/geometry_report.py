@@ -62,16 +62,33 @@ def tree_quotes(times: pd.DataFrame, goals: pd.DataFrame) -> dict[str, float | s
     }
 
 
-def radius_quotes(radius: pd.DataFrame) -> dict[str, float | str]:
+def radius_quotes(
+    radius: pd.DataFrame, pairs: pd.DataFrame | None = None
+) -> dict[str, float | str]:
     """The radius walk's numbers in chapter 14 (``radius``:
     :func:`~extkernels.experiments.geometry.radius_targets`): the clouds where it takes
-    more than twice its time on the book's cloud, and its slowest ratio and cloud."""
+    more than twice its time on the book's cloud, and its slowest ratio and cloud. With
+    ``pairs`` (:func:`radius_pairs`, the same clouds), the work it cannot skip: the
+    slowest cloud's neighbours per query over the book's cloud's, and the largest time
+    ratio per neighbour ratio among the other clouds (below 1: a cloud's neighbours
+    cost less each than the book's cloud's), and that in words."""
     ratio = radius["fused-radius / normal"]
-    return {
+    out = {
         "radius_slow": _names(radius.index[~radius["<= 2x normal"]]),
         "radius_worst": float(ratio.max()),
         "radius_worst_cloud": ratio.idxmax(),
     }
+    if pairs is not None:
+        per_pair = (ratio / pairs["pairs / normal"]).drop("normal")
+        out["radius_worst_pairs"] = float(pairs.loc[ratio.idxmax(), "pairs / normal"])
+        out["radius_per_pair_worst"] = float(per_pair.max())
+        dearer = _names(per_pair.index[per_pair > 1])
+        out["radius_per_pair_verdict"] = (
+            "no cloud costs more than the book's"
+            if per_pair.max() <= 1
+            else f"the walk costs more than on the book's cloud on {dearer}"
+        )
+    return out
 
 
 def mesh_quotes(on_clouds: pd.DataFrame) -> dict[str, float]:

@@ -322,7 +322,7 @@ __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
 // hollow shell, where every point of the shell is nearly as far as the nearest, a few
 // take hundreds, and one warp's steps, each waiting for memory, make the kernel wait.
 // (Handing over sooner, after 64 to 96 steps, shortens the shell's search at 10^5
-// points but sends the meshes' queries at 10^6 to the team: 5 to 35 % slower there.)
+// points but sends the meshes' queries at 10^6 to the team: 3 to 34 % slower there.)
 constexpr int kHeavySteps = 128;
 // Warps that share one heavy query, each searching its own part of the tree: 16 (the
 // most whose stacks fit the 48 KiB of static shared memory with room for the lists)
