@@ -281,3 +281,29 @@ def test_radius_work_quotes_compare_the_time_above_the_floor_with_the_pairs():
     assert q["radius_pairs_ratio"] == 2.0
     assert q["radius_above_floor_fwd_ratio"] == pytest.approx(0.12 / 0.06)
     assert q["radius_above_floor_train_ratio"] == pytest.approx(0.18 / 0.09)
+
+
+def test_radius_against_warp_says_where_the_ranges_are_apart():
+    from extkernels.experiments import geometry_report
+
+    def runs(ours, warp):
+        return [
+            {"geometry": g, "n": 25_000, "method": m, "run": r, "ms": ms + 0.01 * r}
+            for g in ours
+            for m, ms in (("fused-radius", ours[g]), ("warp-radius", warp[g]))
+            for r in range(3)
+        ]
+
+    apart = geometry.table(
+        runs({"normal": 1.0, "panda": 1.0}, {"normal": 2, "panda": 3})
+    )
+    assert geometry_report.radius_vs_warp_quotes(apart) == {
+        "radius_vs_warp": "on every cloud, beyond the spread of the runs"
+    }
+    mixed = runs(
+        {"normal": 1.0, "panda": 1.0, "slab": 2.0},
+        {"normal": 2, "panda": 1.01, "slab": 1},
+    )
+    q = geometry_report.radius_vs_warp_quotes(geometry.table(mixed))["radius_vs_warp"]
+    assert q.startswith("on normal, beyond the spread of the runs; on panda its median")
+    assert q.endswith("; on slab Warp's median is the lower")

@@ -17,6 +17,7 @@ __all__ = [
     "cliff_quotes",
     "mesh_quotes",
     "radius_quotes",
+    "radius_vs_warp_quotes",
     "traits_quotes",
     "tree_quotes",
 ]
@@ -89,6 +90,31 @@ def radius_quotes(
             else f"the walk costs more than on the book's cloud on {dearer}"
         )
     return out
+
+
+def radius_vs_warp_quotes(times: pd.DataFrame, n: int = 25_000) -> dict[str, str]:
+    """The fused radius walk against Warp's hash grid, search against search, on every
+    cloud of the geometry command (``times``:
+    :func:`~extkernels.experiments.geometry.table`), for the results page: where its
+    slowest run beats Warp's fastest, where the ranges overlap, and where Warp's median
+    is the lower, as one phrase (``radius_vs_warp``)."""
+    runs = times.xs(n, level="n")
+    ours = runs.xs("fused-radius", level="method")
+    warp = runs.xs("warp-radius", level="method")
+    apart = ours.index[ours["max"] < warp["min"]]
+    behind = ours.index[ours["ms"] >= warp["ms"]].difference(apart)
+    overlap = ours.index.difference(apart).difference(behind)
+    if len(apart) == len(ours):
+        return {"radius_vs_warp": "on every cloud, beyond the spread of the runs"}
+    parts = [f"on {_names(apart)}, beyond the spread of the runs"] if len(apart) else []
+    if len(overlap):
+        parts.append(
+            f"on {_names(overlap)} its median is the lower but the ranges of the runs "
+            "overlap, so the difference there is within the noise"
+        )
+    if len(behind):
+        parts.append(f"on {_names(behind)} Warp's median is the lower")
+    return {"radius_vs_warp": "; ".join(parts)}
 
 
 def mesh_quotes(on_clouds: pd.DataFrame) -> dict[str, float]:
