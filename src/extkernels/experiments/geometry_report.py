@@ -12,6 +12,7 @@ import torch
 
 from .. import clouds
 from ..results import at_size
+from ..timing import ranked
 
 __all__ = [
     "cliff_quotes",
@@ -101,9 +102,19 @@ def radius_vs_warp_quotes(times: pd.DataFrame, n: int = 25_000) -> dict[str, str
     runs = times.xs(n, level="n")
     ours = runs.xs("fused-radius", level="method")
     warp = runs.xs("warp-radius", level="method")
-    apart = ours.index[ours["max"] < warp["min"]]
-    behind = ours.index[ours["ms"] >= warp["ms"]].difference(apart)
-    overlap = ours.index.difference(apart).difference(behind)
+    order = pd.Series(
+        {
+            g: ranked(
+                (ours.at[g, "min"], ours.at[g, "max"]),
+                (warp.at[g, "min"], warp.at[g, "max"]),
+                same="lower" if ours.at[g, "ms"] < warp.at[g, "ms"] else "higher",
+            )
+            for g in ours.index
+        }
+    )
+    apart = order.index[order == "faster than"]
+    overlap = order.index[order == "lower"]
+    behind = order.index[order.isin(["higher", "slower than"])]
     if len(apart) == len(ours):
         return {"radius_vs_warp": "on every cloud, beyond the spread of the runs"}
     parts = [f"on {_names(apart)}, beyond the spread of the runs"] if len(apart) else []

@@ -324,9 +324,9 @@ __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
 // (Handing over sooner, after 64 to 96 steps, shortens the shell's search at 10^5
 // points but sends the meshes' queries at 10^6 to the team: 3 to 34 % slower there.)
 constexpr int kHeavySteps = 128;
-// Warps that share one heavy query, each searching its own part of the tree: 16 (the
-// most whose stacks fit the 48 KiB of static shared memory with room for the lists)
-// take the shell's heavy queries in a fifth of the time that 8 take.
+// Warps that share one heavy query, each searching its own part of the tree: 16 take
+// the shell's heavy queries in a fifth of the time that 8 take (their stacks and lists
+// hold 37 KiB of the 48 KiB of static shared memory a block may have).
 constexpr int kTeam = 16;
 constexpr int kTeamThreads = 32 * kTeam;
 
