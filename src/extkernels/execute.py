@@ -4,6 +4,10 @@
     python -m extkernels.execute book/                 # every chapter, in order
     python -m extkernels.execute book/01_eager_baseline.ipynb --timeout 900
 
+The per-cell timeout defaults to 30 minutes: a chapter's timing cell runs every variant
+it compares in five fresh processes, and chapter 9's eight variants need more than ten
+minutes of it on an H200.
+
 Each notebook runs in a fresh kernel with its own folder as working directory. A cell
 that raises stops that notebook, which is then left untouched on disk, and the command
 exits non-zero after trying the rest; so does a cell with a figure caption
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--timeout",
         type=int,
-        default=600,
+        default=1800,
         help="seconds per cell (default: %(default)s)",
     )
     ap.add_argument(
