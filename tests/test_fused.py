@@ -238,6 +238,34 @@ def test_the_radius_grid_has_cells_as_wide_as_the_radius_on_tight_clusters(devic
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["clusters", "spitfire"])
+def test_the_dense_queries_kernel_gives_the_cpu_kernels_sums(name):
+    """Beside a tight cluster or a densely sampled surface a query's box holds hundreds
+    to thousands of points, and the CUDA forward hands it to a kernel of its own (the
+    CPU kernel walks every query alike). Both give the same sums on every query, except
+    where a point lies within float32 rounding of the radius: there the two builds may
+    round its distance to either side."""
+    from extkernels import clouds
+
+    fused.prepare()
+    w = clouds.workload(name, 25_000, side=20)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(w.p_ref.shape[0], 25, generator=g)
+    args = (w.p_query, w.p_ref, feats)
+    fwd = torch.ops.extkernels_fused.radius_aggregate_fwd
+    gpu, gpu_totals, *_ = fwd(*(x.cuda() for x in args), 0.1, 0.1, True)
+    cpu, cpu_totals, *_ = fwd(*args, 0.1, 0.1, True)
+    d = torch.cdist(w.p_query.double(), w.p_ref.double())
+    clear = ~((d - 0.1).abs() < 1e-5).any(1)
+    dense = (d <= 0.1).sum(1) > 256
+    assert (dense & clear).sum() > 20  # the dense kernel's queries are compared
+    torch.testing.assert_close(gpu.cpu()[clear], cpu[clear], rtol=1e-4, atol=1e-5)
+    totals = gpu_totals.cpu()[clear], cpu_totals[clear]
+    torch.testing.assert_close(*totals, rtol=1e-4, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("index", ["grid", "tree"])
 def test_the_knn_search_finds_points_beyond_a_robust_box(index):
     from extkernels import reference
