@@ -192,14 +192,14 @@ def targets(
     )
     out = pd.DataFrame(
         {
-            "ms at 10^5": small[method],
-            "ms at 10^6": large[method],
-            f"x {rival} at 10^6": large[rival] / large[method],
+            "ms at 10⁵": small[method],
+            "ms at 10⁶": large[method],
+            f"x {rival} at 10⁶": large[rival] / large[method],
         }
     )
-    out["<= 0.5 ms"] = out["ms at 10^5"] <= 0.5
-    out["<= 2 ms"] = out["ms at 10^6"] <= 2.0
-    out[">= 10x"] = out[f"x {rival} at 10^6"] >= 10
+    out["≤ 0.5 ms"] = out["ms at 10⁵"] <= 0.5
+    out["≤ 2 ms"] = out["ms at 10⁶"] <= 2.0
+    out["≥ 10×"] = out[f"x {rival} at 10⁶"] >= 10
     return out.round(3)
 
 
@@ -212,7 +212,7 @@ def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
     for method in ms.columns:
         out[f"{method} / normal"] = ms[method] / ms.loc["normal", method]
     if "fused-radius" in ms:
-        out["<= 2x normal"] = out["fused-radius / normal"] <= 2.0
+        out["≤ 2× normal"] = out["fused-radius / normal"] <= 2.0
     return out.round(3)
 
 

@@ -50,14 +50,14 @@ def tree_quotes(times: pd.DataFrame, goals: pd.DataFrame) -> dict[str, float | s
     and ms at 10^5 and 10^6 points, its range of speedups over cuML, the tree and the
     grid on the book's cloud at 10^5, and the clouds where it misses a goal."""
     small = at_size(times, 100_000, ["fused", "fused-grid"]).loc["normal"]
-    missed = goals.index[~goals[["<= 0.5 ms", "<= 2 ms", ">= 10x"]].all(axis=1)]
+    missed = goals.index[~goals[["≤ 0.5 ms", "≤ 2 ms", "≥ 10×"]].all(axis=1)]
     return {
-        "tree_max_small": float(goals["ms at 10^5"].max()),
-        "tree_max_small_cloud": goals["ms at 10^5"].idxmax(),
-        "tree_max_large": float(goals["ms at 10^6"].max()),
-        "tree_max_large_cloud": goals["ms at 10^6"].idxmax(),
-        "tree_min_x_cuml": float(goals["x cuml at 10^6"].min()),
-        "tree_max_x_cuml": float(goals["x cuml at 10^6"].max()),
+        "tree_max_small": float(goals["ms at 10⁵"].max()),
+        "tree_max_small_cloud": goals["ms at 10⁵"].idxmax(),
+        "tree_max_large": float(goals["ms at 10⁶"].max()),
+        "tree_max_large_cloud": goals["ms at 10⁶"].idxmax(),
+        "tree_min_x_cuml": float(goals["x cuml at 10⁶"].min()),
+        "tree_max_x_cuml": float(goals["x cuml at 10⁶"].max()),
         "normal_tree_ms": float(small["fused"]),
         "normal_grid_ms": float(small["fused-grid"]),
         "tree_missed": _names(missed),
@@ -76,7 +76,7 @@ def radius_quotes(
     cost less each than the book's cloud's), and that in words."""
     ratio = radius["fused-radius / normal"]
     out = {
-        "radius_slow": _names(radius.index[~radius["<= 2x normal"]]),
+        "radius_slow": _names(radius.index[~radius["≤ 2× normal"]]),
         "radius_worst": float(ratio.max()),
         "radius_worst_cloud": ratio.idxmax(),
     }
