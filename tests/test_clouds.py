@@ -217,6 +217,8 @@ def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
         "radius_slow": "none",
         "radius_worst": 1.5,
         "radius_worst_cloud": "clusters",
+        "radius_goal_verdict": "The goal of no cloud above twice the book's cloud's "
+        "time holds on every cloud.",
     }
     pairs = pd.DataFrame({"pairs / normal": [1.0, 3.0]}, index=["normal", "clusters"])
     q = geometry_report.radius_quotes(radius, pairs)
@@ -224,6 +226,19 @@ def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
     assert q["radius_per_pair_verdict"] == "no cloud costs more than the book's"
     q = geometry_report.radius_quotes(radius, pairs.assign(**{"pairs / normal": 1.0}))
     assert q["radius_per_pair_verdict"].endswith("on clusters")
+    slow = radius.assign(
+        **{"fused-radius / normal": [1.0, 2.5], "≤ 2× normal": [True, False]}
+    )
+    q = geometry_report.radius_quotes(slow)
+    assert q["radius_goal_verdict"].endswith("is missed on clusters.")
+    q = geometry_report.radius_quotes(
+        slow, pairs
+    )  # 2.5x the time for 3x the neighbours
+    assert q["radius_goal_verdict"].endswith(
+        "is missed on clusters by that work, not by a cliff."
+    )
+    q = geometry_report.radius_quotes(slow, pairs.assign(**{"pairs / normal": 1.0}))
+    assert q["radius_goal_verdict"].endswith("is missed on clusters.")
     props = pd.DataFrame(
         {"waits": [False, True, True], "captures": [True, False, False]},
         index=["fused", "cuml", "cuvs"],

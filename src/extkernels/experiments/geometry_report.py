@@ -73,13 +73,23 @@ def radius_quotes(
     ``pairs`` (:func:`radius_pairs`, the same clouds), the work it cannot skip: the
     slowest cloud's neighbours per query over the book's cloud's, and the largest time
     ratio per neighbour ratio among the other clouds (below 1: a cloud's neighbours
-    cost less each than the book's cloud's), and that in words."""
+    cost less each than the book's cloud's), and that in words; and
+    ``radius_goal_verdict``, a sentence on the goal of no cloud above twice the book's
+    cloud's time (where it is missed on clouds whose neighbours cost no more each than
+    the book's cloud's, the work to be done misses it, not a cliff)."""
     ratio = radius["fused-radius / normal"]
+    slow = radius.index[~radius["≤ 2× normal"]]
     out = {
-        "radius_slow": _names(radius.index[~radius["≤ 2× normal"]]),
+        "radius_slow": _names(slow),
         "radius_worst": float(ratio.max()),
         "radius_worst_cloud": ratio.idxmax(),
     }
+    goal = "the goal of no cloud above twice the book's cloud's time"
+    out["radius_goal_verdict"] = (
+        f"{goal[0].upper()}{goal[1:]} holds on every cloud."
+        if len(slow) == 0
+        else f"{goal[0].upper()}{goal[1:]} is missed on {_names(slow)}."
+    )
     if pairs is not None:
         per_pair = (ratio / pairs["pairs / normal"]).drop("normal")
         out["radius_worst_pairs"] = float(pairs.loc[ratio.idxmax(), "pairs / normal"])
@@ -90,6 +100,12 @@ def radius_quotes(
             if per_pair.max() <= 1
             else f"the walk costs more than on the book's cloud on {dearer}"
         )
+        if len(slow) and (per_pair.reindex(slow).fillna(0) <= 1).all():
+            out["radius_goal_verdict"] = (
+                "A walk that visits every neighbour cannot take less time on a cloud "
+                f"with more of them: {goal} is missed on {_names(slow)} by that work, "
+                "not by a cliff."
+            )
     return out
 
 
