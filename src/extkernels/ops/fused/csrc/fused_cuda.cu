@@ -470,10 +470,31 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
   });
 }
 
+// The points j0 + lane (those before `end`) tested against the radius by the lanes of a
+// warp, and chunk(found, row, weight, inside) called once: found is the ballot of the
+// lanes whose point lies within the radius (the same in every lane), row and weight the
+// lane's own point's (weight 0 outside the radius or past the run).
+template <typename Chunk>
+__device__ __forceinline__ void test_32(const float* qp, const Point4* ref, int32_t j0,
+                                        int32_t end, float radius, float inv_sigma,
+                                        int lane, Chunk& chunk) {
+  const int32_t j = j0 + lane;
+  float w = 0.0f;
+  int32_t index = 0;
+  bool inside = false;
+  if (j < end) {
+    const Point4 p = load_point(ref, j);
+    const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
+    const float d = sqrtf(dx * dx + dy * dy + dz * dz);
+    inside = d <= radius;
+    w = inside ? expf(-d * inv_sigma) : 0.0f;
+    index = p.index;
+  }
+  chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
+}
+
 // The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
-// at a time and call chunk(found, row, weight, inside) for each 32: found is the ballot
-// of the lanes whose point lies within the radius (the same in every lane), row and
-// weight the lane's own point's (weight 0 outside the radius or past the run).
+// at a time (test_32) and call chunk for each 32.
 template <typename Chunk>
 __device__ void for_chunks_warp(const float* qp, const Point4* ref, const int32_t* start,
                                 const GridParams& g, float radius, float inv_sigma,
@@ -485,19 +506,7 @@ __device__ void for_chunks_warp(const float* qp, const Point4* ref, const int32_
       const int64_t column = (x * g.dims[1] + y) * g.dims[2];
       const int32_t end = start[column + b.hi[2] + 1];
       for (int32_t j0 = start[column + b.lo[2]]; j0 < end; j0 += 32) {
-        const int32_t j = j0 + lane;
-        float w = 0.0f;
-        int32_t index = 0;
-        bool inside = false;
-        if (j < end) {
-          const Point4 p = load_point(ref, j);
-          const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
-          const float d = sqrtf(dx * dx + dy * dy + dz * dz);
-          inside = d <= radius;
-          w = inside ? expf(-d * inv_sigma) : 0.0f;
-          index = p.index;
-        }
-        chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
+        test_32(qp, ref, j0, end, radius, inv_sigma, lane, chunk);
       }
     }
   }
@@ -543,19 +552,7 @@ __device__ __forceinline__ void for_chunks_team(const float* qp, const Point4* r
       const int32_t mine = begin + 32 * skip;  // this warp's first 32 in the run
       skip = (share - 1) - (chunks - 1 - skip) % share;
       for (int32_t j0 = mine; j0 < end; j0 += 32 * share) {
-        const int32_t j = j0 + lane;
-        float w = 0.0f;
-        int32_t index = 0;
-        bool inside = false;
-        if (j < end) {
-          const Point4 p = load_point(ref, j);
-          const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
-          const float d = sqrtf(dx * dx + dy * dy + dz * dz);
-          inside = d <= radius;
-          w = inside ? expf(-d * inv_sigma) : 0.0f;
-          index = p.index;
-        }
-        chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
+        test_32(qp, ref, j0, end, radius, inv_sigma, lane, chunk);
       }
     }
   }
