@@ -558,42 +558,42 @@ __device__ __forceinline__ void for_chunks_team(const float* qp, const Point4* r
   }
 }
 
-// Points in the box query +- radius, from the runs' starts alone: a query's work.
-__device__ int64_t box_points(const float* qp, const int32_t* start, const GridParams& g,
-                              float radius) {
+// The sum of run(length) over the cell runs of the box query +- radius, from the runs'
+// starts alone.
+template <typename Run>
+__device__ __forceinline__ int64_t sum_runs(const float* qp, const int32_t* start,
+                                            const GridParams& g, float radius, Run&& run) {
   Box b;
   if (!box_of(qp, radius, g, b)) return 0;
   int64_t n = 0;
   for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
     for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
       const int64_t column = (x * g.dims[1] + y) * g.dims[2];
-      n += start[column + b.hi[2] + 1] - start[column + b.lo[2]];
+      n += run(start[column + b.hi[2] + 1] - start[column + b.lo[2]]);
     }
   }
   return n;
+}
+
+// Points in the box query +- radius: a query's work.
+__device__ int64_t box_points(const float* qp, const int32_t* start, const GridParams& g,
+                              float radius) {
+  return sum_runs(qp, start, g, radius, [](int32_t length) -> int64_t { return length; });
 }
 
 // The 32s a warp takes the box's points in (a run's last 32 is partly empty): asked
 // only of the dense queries.
 __device__ int64_t box_chunks(const float* qp, const int32_t* start, const GridParams& g,
                               float radius) {
-  Box b;
-  if (!box_of(qp, radius, g, b)) return 0;
-  int64_t chunks = 0;
-  for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
-    for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
-      const int64_t column = (x * g.dims[1] + y) * g.dims[2];
-      chunks += (start[column + b.hi[2] + 1] - start[column + b.lo[2]] + 31) / 32;
-    }
-  }
-  return chunks;
+  return sum_runs(qp, start, g, radius,
+                  [](int32_t length) -> int64_t { return (length + 31) / 32; });
 }
 
 // Boxes with more points than kDenseBox go to radius_dense_fwd_kernel (rows of up to 32
 // features; on the book's cloud a box holds a few dozen), to a team of 1, 2, 4 or 8
 // warps: the most that leaves each warp kChunksPerWarp 32s of the box or more. Such a
 // box spans nine 32s at least, so with kChunksPerWarp = 4 the teams are of 2, 4 or 8
-// (a CAD surface's dense boxes take two warps, a tight cluster's eight).
+// (the median dense box takes two on Panda, four on Spitfire, eight beside a cluster).
 constexpr int64_t kDenseBox = 256;
 constexpr int64_t kChunksPerWarp = 4;
 constexpr int kTeamLists = 4;  // teams of 1 << list warps
