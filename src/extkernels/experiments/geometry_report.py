@@ -84,11 +84,10 @@ def radius_quotes(
         "radius_worst": float(ratio.max()),
         "radius_worst_cloud": ratio.idxmax(),
     }
-    goal = "the goal of no cloud above twice the book's cloud's time"
+    goal = "goal of no cloud above twice the book's cloud's time"
+    missed = f"{goal} is missed on {_names(slow)}"
     out["radius_goal_verdict"] = (
-        f"{goal[0].upper()}{goal[1:]} holds on every cloud."
-        if len(slow) == 0
-        else f"{goal[0].upper()}{goal[1:]} is missed on {_names(slow)}."
+        f"The {goal} holds on every cloud." if slow.empty else f"The {missed}."
     )
     if pairs is not None:
         per_pair = (ratio / pairs["pairs / normal"]).drop("normal")
@@ -100,11 +99,10 @@ def radius_quotes(
             if per_pair.max() <= 1
             else f"the walk costs more than on the book's cloud on {dearer}"
         )
-        if len(slow) and (per_pair.reindex(slow).fillna(0) <= 1).all():
+        if not slow.empty and (per_pair[slow] <= 1).all():
             out["radius_goal_verdict"] = (
                 "A walk that visits every neighbour cannot take less time on a cloud "
-                f"with more of them: {goal} is missed on {_names(slow)} by that work, "
-                "not by a cliff."
+                f"with more of them: the {missed} by that work, not by a cliff."
             )
     return out
 

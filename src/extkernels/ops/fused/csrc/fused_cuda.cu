@@ -471,7 +471,7 @@ __global__ void radius_bwd_kernel(const scalar_t* grad_out, const float* q, int6
 }
 
 // The points j0 + lane (those before `end`) tested against the radius by the lanes of a
-// warp, and chunk(found, row, weight, inside) called once: found is the ballot of the
+// warp, and chunk(found, row, weight) called once: found is the ballot of the
 // lanes whose point lies within the radius (the same in every lane), row and weight the
 // lane's own point's (weight 0 outside the radius or past the run).
 template <typename Chunk>
@@ -490,7 +490,7 @@ __device__ __forceinline__ void test_32(const float* qp, const Point4* ref, int3
     w = inside ? expf(-d * inv_sigma) : 0.0f;
     index = p.index;
   }
-  chunk(__ballot_sync(0xffffffffu, inside), index, w, inside);
+  chunk(__ballot_sync(0xffffffffu, inside), index, w);
 }
 
 // The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
@@ -520,7 +520,7 @@ __device__ void for_neighbours_warp(const float* qp, const Point4* ref,
                                     float radius, float inv_sigma, int lane,
                                     Visit&& visit) {
   for_chunks_warp(qp, ref, start, g, radius, inv_sigma, lane,
-                  [&](unsigned found, int32_t index, float w, bool) {
+                  [&](unsigned found, int32_t index, float w) {
                     for (; found; found &= found - 1u) {
                       const int src = __ffs(found) - 1;
                       visit((int64_t)__shfl_sync(0xffffffffu, index, src),
@@ -698,7 +698,7 @@ __device__ __forceinline__ float dense_part(const float* qp, const Point4* ref,
   acc_t sums[1] = {0};
   float total = 0.0f;
   for_chunks_team(qp, ref, start, g, radius, inv_sigma, lane, first, share,
-                  [&](unsigned found, int32_t index, float w, bool) {
+                  [&](unsigned found, int32_t index, float w) {
                     total += add_rows<1>(found, index, w, lane, feats, f, sums);
                   });
   acc = sums[0];
