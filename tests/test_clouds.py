@@ -113,11 +113,11 @@ def test_the_table_gives_each_methods_median_and_spread_over_runs():
 
 def test_targets_say_which_cloud_misses_which_goal():
     goals = geometry.targets(geometry.table(_runs()))
-    assert goals.loc["normal", "ms at 10^6"] == pytest.approx(1.0)
-    assert goals.loc["normal", "x cuml at 10^6"] == pytest.approx(20.0)
-    assert goals.loc["normal"][["<= 0.5 ms", "<= 2 ms", ">= 10x"]].all()
+    assert goals.loc["normal", "ms at 10⁶"] == pytest.approx(1.0)
+    assert goals.loc["normal", "x cuml at 10⁶"] == pytest.approx(20.0)
+    assert goals.loc["normal"][["≤ 0.5 ms", "≤ 2 ms", "≥ 10×"]].all()
     shell = goals.loc["shell"]
-    assert not shell["<= 0.5 ms"] and not shell["<= 2 ms"] and not shell[">= 10x"]
+    assert not shell["≤ 0.5 ms"] and not shell["≤ 2 ms"] and not shell["≥ 10×"]
     assert isinstance(goals, pd.DataFrame)
 
 
@@ -167,8 +167,8 @@ def test_radius_targets_compare_each_cloud_with_the_books():
     goals = geometry.radius_targets(geometry.table(rows))
     assert goals.loc["clusters", "fused-radius / normal"] == pytest.approx(3.0)
     assert goals.loc["clusters", "warp-radius"] == pytest.approx(6.0)
-    assert not goals.loc["clusters", "<= 2x normal"]
-    assert goals.drop("clusters")["<= 2x normal"].all()
+    assert not goals.loc["clusters", "≤ 2× normal"]
+    assert goals.drop("clusters")["≤ 2× normal"].all()
 
 
 def test_the_radius_method_aggregates_like_the_backend():
@@ -209,7 +209,7 @@ def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
     from extkernels.experiments import geometry_report
 
     radius = pd.DataFrame(
-        {"fused-radius / normal": [1.0, 1.5], "<= 2x normal": [True, True]},
+        {"fused-radius / normal": [1.0, 1.5], "≤ 2× normal": [True, True]},
         index=["normal", "clusters"],
     )
     q = geometry_report.radius_quotes(radius)
@@ -217,6 +217,8 @@ def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
         "radius_slow": "none",
         "radius_worst": 1.5,
         "radius_worst_cloud": "clusters",
+        "radius_goal_verdict": "The goal of no cloud above twice the book's cloud's "
+        "time holds on every cloud.",
     }
     pairs = pd.DataFrame({"pairs / normal": [1.0, 3.0]}, index=["normal", "clusters"])
     q = geometry_report.radius_quotes(radius, pairs)
@@ -224,6 +226,19 @@ def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
     assert q["radius_per_pair_verdict"] == "no cloud costs more than the book's"
     q = geometry_report.radius_quotes(radius, pairs.assign(**{"pairs / normal": 1.0}))
     assert q["radius_per_pair_verdict"].endswith("on clusters")
+    slow = radius.assign(
+        **{"fused-radius / normal": [1.0, 2.5], "≤ 2× normal": [True, False]}
+    )
+    q = geometry_report.radius_quotes(slow)
+    assert q["radius_goal_verdict"].endswith("is missed on clusters.")
+    q = geometry_report.radius_quotes(
+        slow, pairs
+    )  # 2.5x the time for 3x the neighbours
+    assert q["radius_goal_verdict"].endswith(
+        "is missed on clusters by that work, not by a cliff."
+    )
+    q = geometry_report.radius_quotes(slow, pairs.assign(**{"pairs / normal": 1.0}))
+    assert q["radius_goal_verdict"].endswith("is missed on clusters.")
     props = pd.DataFrame(
         {"waits": [False, True, True], "captures": [True, False, False]},
         index=["fused", "cuml", "cuvs"],

@@ -777,6 +777,28 @@ def test_the_answer_reads_the_fastest_steps_and_the_verdicts_from_the_files():
     assert results.answer_quotes(bench, clouds)["grid_vs_tree"] == "slower than"
 
 
+def test_the_answer_sets_the_tree_beside_the_fastest_other_backend_by_the_ranges():
+    data = Path(__file__).parents[1] / "book" / "data"
+    _, bench = results.load(data / "benchmark-h200.json")
+    _, clouds = results.load(data / "benchmark-clouds-h200.json")
+    cols = ["train_ms", "train_min", "train_max"]
+    bench.loc["knn/cpp+graphs", cols] = 1.0, 0.9, 1.1
+    bench.loc["knn/ptx+graphs", cols] = 1.2, 1.1, 1.3
+    bench.loc["knn/fused+graphs", cols] = 3.0, 2.9, 3.1
+    bench.loc["knn/fused+compile+graphs", cols] = 0.5, 0.4, 0.6
+    q = results.answer_quotes(bench, clouds)
+    assert q["knn_tree_variant"] == "knn/fused+compile+graphs"
+    assert q["knn_rival"] == "knn/cpp+graphs" and q["knn_rival_train"] == 1.0
+    assert q["knn_tree_vs_rival"].startswith("shorter")
+    bench.loc["knn/fused+compile+graphs", cols] = 1.05, 1.0, 1.2
+    q = results.answer_quotes(bench, clouds)
+    assert q["knn_tree_vs_rival"].startswith("within")
+    bench.loc["knn/fused+compile+graphs", cols] = 4.0, 3.9, 4.1
+    q = results.answer_quotes(bench, clouds)
+    assert q["knn_tree_vs_rival"].startswith("longer")
+    assert q["knn_tree_variant"] != "knn/fused+compile+graphs"  # another is shorter
+
+
 def _broken(x):
     x = x + 1
     torch._dynamo.graph_break()

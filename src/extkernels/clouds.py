@@ -50,7 +50,7 @@ GEOMETRIES = {
     "spitfire": "surface of a CAD assembly (Spitfire aircraft), volume queries",
     "shell": "surface of the unit sphere, volume queries",
     "clusters": "20 tight clusters (sd 0.01), volume queries",
-    "outlier": "standard normal plus one point at x = 10^4, queries on the grid",
+    "outlier": "standard normal plus one point at x = 10⁴, queries on the grid",
     "slab": "uniform in a 100 x 1 x 0.01 slab, queries at its own points",
     "shuffled": "standard normal, queries at its own points in random order",
 }

@@ -85,7 +85,7 @@ def _train(bench: pd.DataFrame, variant: str) -> str:
 
 def _worst(times: pd.DataFrame, method: str, n: int = 1_000_000) -> str:
     ms = results.at_size(times, n, [method])[method]
-    return f"up to {ms.max():,.0f} ms per search at 10^6 points ({ms.idxmax()})"
+    return f"up to {ms.max():,.0f} ms per search at 10⁶ points ({ms.idxmax()})"
 
 
 def guide(
@@ -116,8 +116,8 @@ def guide(
             "kNN in a training loop, any cloud",
             "the fused operators (chapters 11 and 14), the step in one CUDA graph",
             _train(bench, "knn/fused+graphs"),
-            f"search at most {tree['ms at 10^6'].max():.2f} ms at 10^6 points on "
-            f"every cloud, {tree['x cuml at 10^6'].min():.0f}× cuML or more; "
+            f"search at most {tree['ms at 10⁶'].max():.2f} ms at 10⁶ points on "
+            f"every cloud, {tree['x cuml at 10⁶'].min():.0f}× cuML or more; "
             f"training step on CAD meshes within {mesh_ratio:.2f}× the book's cloud",
             _cost(bench, "knn/fused+graphs", "fused"),
         ),
@@ -142,7 +142,7 @@ def guide(
             "memory pool (chapter 4)",
             _train(bench, "knn/cuml-op+compile+rmm"),
             f"a brute force: {cuml.min():.0f} to {cuml.max():.0f} ms per search at "
-            "10^6 points on every cloud; no CUDA graph can hold it",
+            "10⁶ points on every cloud; no CUDA graph can hold it",
             _cost(bench, "knn/cuml-op+compile+rmm", "cuml"),
         ),
         (

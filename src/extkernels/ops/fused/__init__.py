@@ -82,8 +82,9 @@ def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:
     int64, the cells (``index="grid"``) or node boxes (``"tree"``) it looks into and
     the reference points whose distance it computes. The walks are the GPU kernels'
     (the grid's rings of chapter 9, the tree's nearest-box-first descent), so the work
-    is the same wherever the tensors live; on the GPU a tree walk past 128 steps is
-    finished by a team of warps, each walking a share of the tree."""
+    is the same wherever the tensors live; on the GPU a tree walk past 128 steps (64
+    in a cloud of up to 2^18 points) is finished by a team of warps, each walking a
+    share of the tree."""
     k = checks.check_knn(p_query, p_ref, k)
     return _call("knn_work", p_query.cpu(), p_ref.cpu(), k, index)
 

@@ -13,12 +13,13 @@
 //   shared memory, nearest on top; the kept leaves of a node are tested at once,
 //   nearest first, their points laid end to end 32 at a time (a leaf holds 12 points on
 //   average, so one leaf per step would leave most lanes idle). Each better point
-//   enters a list of the k best that the warp holds, element e in lane e % 32. The
-//   softmax and the gather follow in the same kernel.
-// - Heavy queries: a query that has not finished after kHeavySteps steps (near the
-//   centre of a hollow shell, every point of it is nearly as far as the nearest) goes
-//   on a list that a second kernel works through with a team of warps per query, so
-//   that one warp's long walk does not hold up the kernel.
+//   enters a list of the k best that the warp holds, element e in lane e % 32 (more
+//   than kInsertLimit at once are sorted and merged with it). The softmax and the
+//   gather follow in the same kernel.
+// - Heavy queries: a query that has not finished after kHeavySteps steps (kEarlySteps
+//   in a small cloud; near the centre of a hollow shell, every point of it is nearly as
+//   far as the nearest) goes on a list that a second kernel works through with a team
+//   of warps per query, so that one warp's long walk does not hold up the kernel.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -251,14 +252,50 @@ __device__ __forceinline__ T list_get(const T (&v)[S], int e) {
   return __shfl_sync(kFull, x, e % 32);
 }
 
+// A bitonic sequence across the warp sorted ascending, ties by val: 5 steps.
+__device__ __forceinline__ void bitonic_merge(float& key, int32_t& val, int lane) {
+#pragma unroll
+  for (int stride = 16; stride > 0; stride >>= 1) {
+    const float other = __shfl_xor_sync(kFull, key, stride);
+    const int32_t other_val = __shfl_xor_sync(kFull, val, stride);
+    const bool lower = (lane & stride) == 0;
+    const bool smaller = other < key || (other == key && other_val < val);
+    if (lower == smaller) {
+      key = other;
+      val = other_val;
+    }
+  }
+}
+
+// Up to this many better points enter a list of 32 one at a time; more are sorted and
+// merged with it at once (a query far from every point, whose k-th best falls slowly).
+constexpr int kInsertLimit = 6;
+
 // Each lane's point (squared distance pd, row pi; infinity for none) that beats the
-// warp's k-th best enters the list, one at a time; kth follows the list, never above
-// cap (a bound known in advance, see tree_heavy_kernel; infinity otherwise).
+// warp's k-th best enters the list: one at a time when few do, else (a list of 32, S = 1)
+// sorted and merged with it at once; kth follows the list, never above cap (a bound known
+// in advance, see tree_heavy_kernel; infinity otherwise).
 template <int S>
 __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
                                             int32_t (&id)[S], float& kth, float cap,
                                             int k, int lane) {
-  for (unsigned better = __ballot_sync(kFull, pd < kth); better; better &= better - 1) {
+  unsigned better = __ballot_sync(kFull, pd < kth);
+  if (S == 1 && __popc(better) > kInsertLimit) {
+    float c = pd < kth ? pd : INFINITY;
+    int32_t ci = pd < kth ? pi : -1;
+    bitonic_sort(c, ci, lane);
+    // The 32 best of both: the list against the candidates in reverse, then sorted.
+    const float r = __shfl_sync(kFull, c, 31 - lane);
+    const int32_t ri = __shfl_sync(kFull, ci, 31 - lane);
+    if (r < d[0] || (r == d[0] && ri < id[0])) {
+      d[0] = r;
+      id[0] = ri;
+    }
+    bitonic_merge(d[0], id[0], lane);
+    kth = fminf(cap, list_get<S>(d, k - 1));
+    return;
+  }
+  for (; better; better &= better - 1) {
     const int src = __ffs(better) - 1;
     const float c = __shfl_sync(kFull, pd, src);
     const int32_t ci = __shfl_sync(kFull, pi, src);
@@ -321,14 +358,20 @@ __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
 // tree_heavy_kernel. A query on the book's cloud takes about 20; near the centre of a
 // hollow shell, where every point of the shell is nearly as far as the nearest, a few
 // take hundreds, and one warp's steps, each waiting for memory, make the kernel wait.
-// (Handing over sooner, after 64 to 96 steps, shortens the shell's search at 10^5
-// points but sends the meshes' queries at 10^6 to the team: 3 to 34 % slower there.)
+// In a cloud of up to kEarlyCloud points a query hands over sooner, after kEarlySteps:
+// the shell's search at 10^5 points takes 15 % less time; at 10^6 the earlier hand-over
+// sends thousands of queries of the shell and the meshes to the teams: 11 to 42 % slower.
 constexpr int kHeavySteps = 128;
+constexpr int kEarlySteps = 64;
+constexpr int64_t kEarlyCloud = int64_t(1) << 18;
 // Warps that share one heavy query, each searching its own part of the tree: 16 take
 // the shell's heavy queries in a fifth of the time that 8 take (their stacks and lists
 // hold 37 KiB of the 48 KiB of static shared memory a block may have).
 constexpr int kTeam = 16;
 constexpr int kTeamThreads = 32 * kTeam;
+// Rounds of the team kernel's blocks a heavy list may take before its teams halve: a
+// team of kTeam warps finishes a query far sooner than one of half as many.
+constexpr int kTeamWaves = 2;
 
 // The descent from the stack: nearest box first, skipping every box no nearer than the
 // k-th best. Returns false, with entries left on the stack, after `budget` steps.
@@ -497,7 +540,7 @@ __global__ void __launch_bounds__(kTreeThreads)
   }
   __syncwarp();
   if (!descend<S>(qp, ref, leaf_start, nodes, L, stack, top, guess, d, id, kth, INFINITY,
-                  k, lane, kHeavySteps)) {
+                  k, lane, n <= kEarlyCloud ? kEarlySteps : kHeavySteps)) {
     // Too long for one warp: the query goes on the heavy list, with the k-th distance
     // found so far (parked in its first value), for a team of warps to finish.
     if (lane == 0) {
@@ -509,13 +552,16 @@ __global__ void __launch_bounds__(kTreeThreads)
   finish<S, SOFTMAX>(d, id, row, k, inv_sigma, feats, f, out, values, idx, lane);
 }
 
-// The heavy queries, a block of kTeam warps each: the nodes of the highest level with
-// at least kTeam of them are dealt out to the warps, every warp searches its share with
-// a list of its own, bounded from the start by the k-th distance the first kernel had
-// found (taken as an upper bound: every point at most that far is looked at), and one
-// warp merges the lists, in warp order, into the k best. The lists never race, so the
-// result is the same on every call. The blocks loop over the list, whose length is
-// known on the device only.
+// The heavy queries, a team of warps each: the nodes of the highest level with at least
+// as many nodes as the team has warps are dealt out to them, every warp searches its
+// share with a list of its own, bounded from the start by the k-th distance the first
+// kernel had found (taken as an upper bound: every point at most that far is looked at),
+// and the team's first warp merges the lists, in warp order, into the k best. A team has
+// kTeam warps while the list is short; when the launched blocks would need more than
+// kTeamWaves rounds to give each query kTeam warps, the teams halve until they do not. The
+// team's size follows from the list's length alone, and the lists never race, so the
+// result is the same on every call. The blocks loop over the list, whose length is known
+// on the device only.
 template <int S, bool SOFTMAX>
 __global__ void __launch_bounds__(kTeamThreads)
     tree_heavy_kernel(const float* q, const Point4* ref, const int32_t* leaf_start,
@@ -531,20 +577,26 @@ __global__ void __launch_bounds__(kTeamThreads)
   __syncthreads();
   const int warp = (int)(threadIdx.x / 32), lane = (int)(threadIdx.x & 31u);
   TreeEntry* stack = stacks[warp];
-  // The level dealt out: the highest with at least kTeam nodes (so that the next one up
+  const int64_t count = *n_heavy;
+  int team = kTeam;
+  while (team > 1 && count * team > (int64_t)kTeamWaves * gridDim.x * kTeam) team /= 2;
+  const int teams = kTeam / team;  // queries a block takes at once
+  const int sub = warp / team, member = warp % team;
+  // The level dealt out: the highest with at least `team` nodes (so that the next one up
   // has fewer, and each warp's share is under kFanout), or the leaves.
   int level = 0;
   for (int l = L.levels - 1; l > 0; --l) {
-    if (L.count[l] >= kTeam) {
+    if (L.count[l] >= team) {
       level = l;
       break;
     }
   }
-  const int count = *n_heavy;
-  for (int h = blockIdx.x; h < count; h += gridDim.x) {
-    const int64_t row = heavy[h];
+  for (int64_t first = (int64_t)blockIdx.x * teams; first < count;
+       first += (int64_t)gridDim.x * teams) {
+    const int64_t h = first + sub;
+    const bool active = h < count;  // the whole warp
+    const int64_t row = active ? heavy[h] : 0;
     const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-    const float cap = nextafterf(values[row * k], INFINITY);
     float d[S];
     int32_t id[S];
 #pragma unroll
@@ -552,22 +604,25 @@ __global__ void __launch_bounds__(kTeamThreads)
       d[s] = INFINITY;
       id[s] = -1;
     }
-    float kth = cap;
-    // The warp's share, lane i its i-th node, pushed nearest on top.
-    const int64_t node = warp + (int64_t)lane * kTeam;
-    float key = INFINITY;
-    if (node < L.count[level]) {
-      key = box_dist2(qp, load_box(nodes, L.offset[level] + node));
-      key = key < cap ? key : INFINITY;
+    if (active) {
+      const float cap = nextafterf(values[row * k], INFINITY);
+      float kth = cap;
+      // The warp's share, lane i its i-th node, pushed nearest on top.
+      const int64_t node = member + (int64_t)lane * team;
+      float key = INFINITY;
+      if (node < L.count[level]) {
+        key = box_dist2(qp, load_box(nodes, L.offset[level] + node));
+        key = key < cap ? key : INFINITY;
+      }
+      const int n_kept = __popc(__ballot_sync(kFull, key < INFINITY));
+      int32_t mine = (int32_t)node;
+      bitonic_sort(key, mine, lane);
+      if (lane < n_kept) stack[n_kept - 1 - lane] = TreeEntry{entry_key(mine, level), key};
+      int top = n_kept;
+      __syncwarp();
+      descend<S>(qp, ref, leaf_start, nodes, L, stack, top, -2 * kFanout, d, id, kth, cap,
+                 k, lane, INT_MAX);
     }
-    const int n_kept = __popc(__ballot_sync(kFull, key < INFINITY));
-    int32_t mine = (int32_t)node;
-    bitonic_sort(key, mine, lane);
-    if (lane < n_kept) stack[n_kept - 1 - lane] = TreeEntry{entry_key(mine, level), key};
-    int top = n_kept;
-    __syncwarp();
-    descend<S>(qp, ref, leaf_start, nodes, L, stack, top, -2 * kFanout, d, id, kth, cap, k,
-               lane, INT_MAX);
 #pragma unroll
     for (int s = 0; s < S; ++s) {
       const bool in = s * 32 + lane < k;
@@ -575,14 +630,14 @@ __global__ void __launch_bounds__(kTeamThreads)
       lists_id[warp][s * 32 + lane] = in ? id[s] : -1;
     }
     __syncthreads();  // every list written, and every warp done with values[row * k]
-    if (warp == 0) {
+    if (active && member == 0) {
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         d[s] = INFINITY;
         id[s] = -1;
       }
-      kth = INFINITY;
-      for (int w = 0; w < kTeam; ++w) {
+      float kth = INFINITY;
+      for (int w = warp; w < warp + team; ++w) {
 #pragma unroll
         for (int s = 0; s < S; ++s) {
           take_better<S>(lists_d[w][s * 32 + lane], lists_id[w][s * 32 + lane], d, id, kth,
@@ -591,7 +646,7 @@ __global__ void __launch_bounds__(kTeamThreads)
       }
       finish<S, SOFTMAX>(d, id, row, k, inv_sigma, feats, f, out, values, idx, lane);
     }
-    __syncthreads();  // the lists are read before the next query overwrites them
+    __syncthreads();  // the lists are read before the next queries overwrite them
   }
 }
 
