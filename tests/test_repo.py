@@ -303,41 +303,44 @@ def test_stored_listings_show_the_package_as_it_is(name, cell, expression, store
 
 
 def _cpp_listings() -> list:
-    """``(notebook, cell, file, start, stored text)`` of every ``show_cpp`` cell."""
+    """``(notebook, cell, listings, stored texts)`` of every cell that calls
+    ``show_cpp``: its ``(file, start)`` pairs and its outputs' texts, in order."""
     found = []
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         for i, cell in enumerate(nb.cells):
-            m = re.search(
+            listings = re.findall(
                 r'show_cpp\(build\.CSRC / "([\w.]+)", "([^"]+)"\)', cell.source
             )
-            if cell.cell_type == "code" and m:
-                stored = "".join(
-                    o["data"]["text/plain"] for o in cell.outputs if "data" in o
-                )
+            if cell.cell_type == "code" and listings:
+                stored = [
+                    "".join(o["data"]["text/plain"])
+                    for o in cell.outputs
+                    if "data" in o
+                ]
                 found.append(
-                    pytest.param(
-                        path.name, i, *m.groups(), stored, id=f"{path.stem}-{i}"
-                    )
+                    pytest.param(path.name, i, listings, stored, id=f"{path.stem}-{i}")
                 )
     return found
 
 
-@pytest.mark.parametrize("name, cell, file, start, stored", _cpp_listings())
-def test_stored_cpp_listings_show_the_sources_as_they_are(
-    name, cell, file, start, stored
-):
+@pytest.mark.parametrize("name, cell, listings, stored", _cpp_listings())
+def test_stored_cpp_listings_show_the_sources_as_they_are(name, cell, listings, stored):
     # The C++ listings are outputs too: a changed source needs the chapter re-executed.
     from extkernels.notebook import cpp_excerpt
     from extkernels.ops.cpp.build import CSRC
 
     if name.startswith(("11_", "14_")):  # chapters 11, 14: the fused backend's sources
         from extkernels.ops.fused.build import CSRC
-    assert stored.strip(), f"{name}, cell {cell}: no stored listing"
-    assert cpp_excerpt(CSRC / file, start).rstrip() == stored.rstrip(), (
-        f"{name}, cell {cell}: the listing of {file} ({start}) is not the source any "
-        "more; re-execute the chapter"
+    assert len(stored) == len(listings), (
+        f"{name}, cell {cell}: {len(listings)} listings called, {len(stored)} stored"
     )
+    for (file, start), text in zip(listings, stored, strict=True):
+        assert text.strip(), f"{name}, cell {cell}: no stored listing of {file}"
+        assert cpp_excerpt(CSRC / file, start).rstrip() == text.rstrip(), (
+            f"{name}, cell {cell}: the listing of {file} ({start}) is not the source "
+            "any more; re-execute the chapter"
+        )
 
 
 def _registration_listings() -> list:
