@@ -39,9 +39,9 @@ constexpr unsigned kFull = 0xffffffffu;
 // hundreds of millions of keys: on Hopper a block sorts 5,760 of these pairs per pass,
 // so that 10^5 points make 18 blocks for 132 multiprocessors (a pass: 9 us on an H100).
 // Up to kSmallSort points, a tile of kSortThreads * kSortItems / 2 pairs fills the GPU.
-constexpr int64_t kSmallSort = int64_t{1} << 22;
+constexpr int64_t kSmallSort = int64_t{1} << 18;
 constexpr int kSortThreads = 256;
-constexpr int kSortItems = 8;  // per thread, counted in 4-byte words
+constexpr int kSortItems = 16;  // per thread, counted in 4-byte words
 using SortHub = cub::detail::radix::policy_hub<uint64_t, int32_t, uint32_t>;
 struct SmallSortHub {
   struct Policy900
