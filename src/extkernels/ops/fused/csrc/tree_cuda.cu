@@ -39,6 +39,10 @@ constexpr unsigned kFull = 0xffffffffu;
 // hundreds of millions of keys: on Hopper a block sorts 5,760 of these pairs per pass,
 // so that 10^5 points make 18 blocks for 132 multiprocessors (a pass: 9 us on an H100).
 // Up to kSmallSort points, a tile of kSortThreads * kSortItems / 2 pairs fills the GPU.
+// (The tiles are set through CUB's dispatch layer, whose form is CUB 3.0's, as in CUDA
+// 13.0; another CUB sorts with its own tiles.)
+#if CUB_MAJOR_VERSION == 3 && CUB_MINOR_VERSION == 0
+#define EK_SMALL_SORT 1
 constexpr int64_t kSmallSort = int64_t{1} << 18;
 constexpr int kSortThreads = 256;
 constexpr int kSortItems = 16;  // per thread, counted in 4-byte words
@@ -53,22 +57,25 @@ struct SmallSortHub {
   };
   using MaxPolicy = Policy900;
 };
+#endif
 
 // Sorts n codes (3 * kMortonBits bits) with their rows; stable. With temp null, only
 // sets bytes, as CUB does.
 cudaError_t sort_codes(void* temp, size_t& bytes, const uint64_t* keys_in, uint64_t* keys_out,
                        const int32_t* rows_in, int32_t* rows_out, int64_t n,
                        cudaStream_t stream) {
-  if (n > kSmallSort) {
-    return cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, rows_in, rows_out,
-                                           (int)n, 0, 3 * kMortonBits, stream);
+#ifdef EK_SMALL_SORT
+  if (n <= kSmallSort) {
+    cub::DoubleBuffer<uint64_t> keys(const_cast<uint64_t*>(keys_in), keys_out);
+    cub::DoubleBuffer<int32_t> rows(const_cast<int32_t*>(rows_in), rows_out);
+    return cub::DispatchRadixSort<cub::SortOrder::Ascending, uint64_t, int32_t, uint32_t,
+                                  cub::detail::identity_decomposer_t, SmallSortHub>::
+        Dispatch(temp, bytes, keys, rows, (uint32_t)n, 0, 3 * kMortonBits,
+                 /*is_overwrite_okay=*/false, stream);
   }
-  cub::DoubleBuffer<uint64_t> keys(const_cast<uint64_t*>(keys_in), keys_out);
-  cub::DoubleBuffer<int32_t> rows(const_cast<int32_t*>(rows_in), rows_out);
-  return cub::DispatchRadixSort<cub::SortOrder::Ascending, uint64_t, int32_t, uint32_t,
-                                cub::detail::identity_decomposer_t, SmallSortHub>::
-      Dispatch(temp, bytes, keys, rows, (uint32_t)n, 0, 3 * kMortonBits,
-               /*is_overwrite_okay=*/false, stream);
+#endif
+  return cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, rows_in, rows_out,
+                                         (int)n, 0, 3 * kMortonBits, stream);
 }
 
 constexpr int kBoxThreads = kRobustChunk;
