@@ -37,7 +37,9 @@ inline void check_lanes(int64_t lanes) {
 struct TreeTensors {
   at::Tensor ref, codes, leaf_start, nodes, layout, params;
 };
-TreeTensors build_tree_cuda(const at::Tensor& p_ref);
+// The tree of p_ref's points; `zero`, where given, is set to 0 on the way (a counter of
+// the caller's, without a launch of its own).
+TreeTensors build_tree_cuda(const at::Tensor& p_ref, int32_t* zero = nullptr);
 // The search by the tree: distances (inv_sigma 0) or softmax weights into values, rows
 // into indices, and with feats (float32) the gather into out.
 void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,

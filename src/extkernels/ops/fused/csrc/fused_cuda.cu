@@ -652,35 +652,29 @@ __global__ void __launch_bounds__(kThreads)
 
 // The rows of the points of a 32 that lie within the radius (`found`, the same in every
 // lane; lane i holds point i's row `index` and weight `w`, 0 outside the radius), added
-// weighted to lane c's sums of features c, c + 32, ... (FPL of them): eight points at a
+// weighted to lane c's sum of feature c (rows of at most 32 features): eight points at a
 // time, whose rows' loads are in flight together (one after the other, a 32 with
 // twenty neighbours waits for twenty loads in a row). Returns the weights' sum.
-template <int FPL, typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ float add_rows(unsigned found, int32_t index, float w, int lane,
-                                          const scalar_t* feats, int64_t f,
-                                          acc_t (&acc)[FPL]) {
+                                          const scalar_t* feats, int64_t f, acc_t& acc) {
   float total = 0.0f;
 #pragma unroll
   for (int g = 0; g < 32; g += 8) {
     if (((found >> g) & 0xffu) == 0u) continue;  // the same in every lane
-    acc_t x[8][FPL];
+    acc_t x[8];
     float wj[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int64_t rj = __shfl_sync(0xffffffffu, index, g + j);
       wj[j] = __shfl_sync(0xffffffffu, w, g + j);
       const bool in = ((found >> (g + j)) & 1u) != 0u;
-#pragma unroll
-      for (int t = 0; t < FPL; ++t) {
-        const int64_t c = lane + 32 * t;
-        x[j][t] = in && c < f ? (acc_t)feats[rj * f + c] : acc_t(0);
-      }
+      x[j] = in && lane < f ? (acc_t)feats[rj * f + lane] : acc_t(0);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       total += wj[j];
-#pragma unroll
-      for (int t = 0; t < FPL; ++t) acc[t] += (acc_t)wj[j] * x[j][t];
+      acc += (acc_t)wj[j] * x[j];
     }
   }
   return total;
@@ -695,13 +689,12 @@ __device__ __forceinline__ float dense_part(const float* qp, const Point4* ref,
                                             float radius, float inv_sigma,
                                             const scalar_t* feats, int64_t f, int lane,
                                             int first, int share, acc_t& acc) {
-  acc_t sums[1] = {0};
+  acc = 0;
   float total = 0.0f;
   for_chunks_team(qp, ref, start, g, radius, inv_sigma, lane, first, share,
                   [&](unsigned found, int32_t index, float w) {
-                    total += add_rows<1>(found, index, w, lane, feats, f, sums);
+                    total += add_rows(found, index, w, lane, feats, f, acc);
                   });
-  acc = sums[0];
   return total;
 }
 

@@ -172,9 +172,11 @@ EK_HD int common_depth(uint64_t a, uint64_t b) {
 
 // The depth of the leaf that holds sorted point i: 1 + the deepest depth at which
 // kLeafSize + 1 consecutive points around i share a cell (those cells hold too many),
-// with window[t] = common_depth(code[t], code[t + kLeafSize]) for t + kLeafSize < n.
+// with window[t] = common_depth(code[t], code[t + kLeafSize]) for t + kLeafSize < n
+// (an array, or on the GPU a block's slice of it in shared memory).
 // Deeper than kMortonBits: points with equal codes, more than kLeafSize of them.
-EK_HD int leaf_depth(const int8_t* window, int64_t n, int64_t i) {
+template <typename Window>
+EK_HD int leaf_depth(const Window& window, int64_t n, int64_t i) {
   int depth = 0;
   const int64_t first = i >= kLeafSize ? i - kLeafSize : 0;
   for (int64_t t = first; t <= i && t + kLeafSize < n; ++t) {
@@ -187,7 +189,8 @@ EK_HD int leaf_depth(const int8_t* window, int64_t n, int64_t i) {
 // with point i's code, is needed only when more than kLeafSize points share it: such a
 // run is cut every kLeafSize points). The leaves partition the points: the coarsest cell
 // holding at most kLeafSize points is the same for every point in it.
-EK_HD bool leaf_starts(const uint64_t* code, const int8_t* window, int64_t n, int64_t i,
+template <typename Window>
+EK_HD bool leaf_starts(const uint64_t* code, const Window& window, int64_t n, int64_t i,
                        int64_t run_start) {
   if (i == 0) return true;
   const int depth = leaf_depth(window, n, i);

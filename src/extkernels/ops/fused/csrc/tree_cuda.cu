@@ -34,6 +34,50 @@ namespace extkernels {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
+
+// The Morton sort (CUB's onesweep radix sort, six passes of 8 bits). CUB tunes it for
+// hundreds of millions of keys: on Hopper a block sorts 5,760 of these pairs per pass,
+// so that 10^5 points make 18 blocks for 132 multiprocessors (a pass: 9 us on an H100).
+// Up to kSmallSort points, a tile of kSortThreads * kSortItems / 2 pairs fills the GPU.
+// (The tiles are set through CUB's dispatch layer, whose form is CUB 3.0's, as in CUDA
+// 13.0; another CUB sorts with its own tiles.)
+#if CUB_MAJOR_VERSION == 3 && CUB_MINOR_VERSION == 0
+#define EK_SMALL_SORT 1
+constexpr int64_t kSmallSort = int64_t{1} << 18;
+constexpr int kSortThreads = 256;
+constexpr int kSortItems = 16;  // per thread, counted in 4-byte words
+using SortHub = cub::detail::radix::policy_hub<uint64_t, int32_t, uint32_t>;
+struct SmallSortHub {
+  struct Policy900
+      : cub::ChainedPolicy<900, Policy900, SortHub::Policy800>,
+        SortHub::OnesweepSmallKeyTunedPolicy<cub::detail::radix::sm90_small_key_tuning<8, 4, 4>> {
+    using OnesweepPolicy = cub::AgentRadixSortOnesweepPolicy<
+        kSortThreads, kSortItems, uint64_t, 1, cub::RADIX_RANK_MATCH_EARLY_COUNTS_ANY,
+        cub::BLOCK_SCAN_RAKING_MEMOIZE, cub::RADIX_SORT_STORE_DIRECT, 8>;
+  };
+  using MaxPolicy = Policy900;
+};
+#endif
+
+// Sorts n codes (3 * kMortonBits bits) with their rows; stable. With temp null, only
+// sets bytes, as CUB does.
+cudaError_t sort_codes(void* temp, size_t& bytes, const uint64_t* keys_in, uint64_t* keys_out,
+                       const int32_t* rows_in, int32_t* rows_out, int64_t n,
+                       cudaStream_t stream) {
+#ifdef EK_SMALL_SORT
+  if (n <= kSmallSort) {
+    cub::DoubleBuffer<uint64_t> keys(const_cast<uint64_t*>(keys_in), keys_out);
+    cub::DoubleBuffer<int32_t> rows(const_cast<int32_t*>(rows_in), rows_out);
+    return cub::DispatchRadixSort<cub::SortOrder::Ascending, uint64_t, int32_t, uint32_t,
+                                  cub::detail::identity_decomposer_t, SmallSortHub>::
+        Dispatch(temp, bytes, keys, rows, (uint32_t)n, 0, 3 * kMortonBits,
+                 /*is_overwrite_okay=*/false, stream);
+  }
+#endif
+  return cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, rows_in, rows_out,
+                                         (int)n, 0, 3 * kMortonBits, stream);
+}
+
 constexpr int kBoxThreads = kRobustChunk;
 constexpr int kTreeThreads = 128;  // four warps, four queries per block
 constexpr int kWarps = kTreeThreads / 32;
@@ -80,7 +124,7 @@ __global__ void __launch_bounds__(kBoxThreads)
 constexpr int kParamsThreads = 6 * kRobustBlocks;
 
 __global__ void __launch_bounds__(kParamsThreads)
-    params_kernel(const float* partial, int blocks, TreeParams* out) {
+    params_kernel(const float* partial, int blocks, TreeParams* out, int32_t* zero) {
   __shared__ float extremes[6][kRobustBlocks];
   __shared__ float bound[6];  // lo[3], then hi[3]
   const int t = (int)threadIdx.x, b = t % kRobustBlocks, which = t / kRobustBlocks;
@@ -90,7 +134,10 @@ __global__ void __launch_bounds__(kParamsThreads)
     bound[which] = extremes[which][b];
   }
   __syncthreads();
-  if (t == 0) *out = tree_params(bound, bound + 3);
+  if (t == 0) {
+    *out = tree_params(bound, bound + 3);
+    if (zero != nullptr) *zero = 0;  // the search's heavy count, without a launch of its own
+  }
 }
 
 __global__ void morton_kernel(const float* p, int64_t n, const TreeParams* params,
@@ -112,18 +159,33 @@ __device__ __forceinline__ void warp_box(NodeBox& b) {
   }
 }
 
-// window[t]: the octree depth that sorted points t and t + kLeafSize share.
-__global__ void window_kernel(const uint64_t* code, int64_t n, int8_t* window) {
-  const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (t + kLeafSize < n) window[t] = (int8_t)common_depth(code[t], code[t + kLeafSize]);
-}
+// A block's slice of window (leaf_depth, tree.h) in shared memory: window[t], the octree
+// depth that sorted points t and t + kLeafSize share, for the block's points and the
+// kLeafSize before them.
+constexpr int kStartsThreads = 256;
+
+struct BlockWindow {
+  const int8_t* slice;
+  int64_t first;  // slice[0] is window[first]
+  __device__ int operator[](int64_t t) const { return slice[t - first]; }
+};
 
 // Which sorted points start a leaf (leaf_starts of tree.h), and each point moved to its
 // place in Morton order.
-__global__ void starts_kernel(const float* p, const int32_t* order, const uint64_t* code,
-                              const int8_t* window, int64_t n, int32_t* flags,
-                              Point4* ref) {
-  const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+__global__ void __launch_bounds__(kStartsThreads)
+    starts_kernel(const float* p, const int32_t* order, const uint64_t* code, int64_t n,
+                  int32_t* flags, Point4* ref) {
+  __shared__ int8_t slice[kStartsThreads + kLeafSize];
+  const int64_t base = blockIdx.x * (int64_t)kStartsThreads;
+  const BlockWindow window{slice, base - kLeafSize};
+  for (int s = (int)threadIdx.x; s < kStartsThreads + kLeafSize; s += kStartsThreads) {
+    const int64_t t = window.first + s;
+    if (t >= 0 && t + kLeafSize < n) {
+      slice[s] = (int8_t)common_depth(code[t], code[t + kLeafSize]);
+    }
+  }
+  __syncthreads();
+  const int64_t i = base + threadIdx.x;
   if (i >= n) return;
   int64_t run_start = 0;
   if (leaf_depth(window, n, i) > kMortonBits) {  // many equal codes: where they begin
@@ -170,21 +232,40 @@ __global__ void __launch_bounds__(kTreeThreads)
 }
 
 // Warps over the nodes of level l: the box of each one's (up to) 32 children.
-__global__ void __launch_bounds__(kTreeThreads)
-    level_kernel(NodeBox* nodes, const TreeLayout* layout, int l) {
-  const int lane = (int)(threadIdx.x & 31u);
-  const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
-  if (l >= layout->levels) return;
+__device__ __forceinline__ void level_boxes(NodeBox* nodes, const TreeLayout* layout, int l,
+                                            int64_t warp, int64_t warps, int lane) {
   const NodeBox* below = nodes + layout->offset[l - 1];
   const int64_t n_below = layout->count[l - 1];
-  for (int64_t node = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32;
-       node < layout->count[l]; node += warps) {
+  for (int64_t node = warp; node < layout->count[l]; node += warps) {
     const int64_t c = node * kFanout + lane;
     NodeBox b;
     box_empty(b);
     if (c < n_below) box_add(b, below[c].lo, below[c].hi);
     warp_box(b);
     if (lane == 0) nodes[layout->offset[l] + node] = b;
+  }
+}
+
+__global__ void __launch_bounds__(kTreeThreads)
+    level_kernel(NodeBox* nodes, const TreeLayout* layout, int l) {
+  if (l >= layout->levels) return;
+  level_boxes(nodes, layout, l, (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32,
+              (int64_t)gridDim.x * blockDim.x / 32, (int)(threadIdx.x & 31u));
+}
+
+// The levels from `first` up to the root in one block, a level after the one below it:
+// the top levels hold few nodes (at most kTopNodes in the largest layout), and a launch
+// each would cost more than their work.
+constexpr int kTopThreads = 1024;
+constexpr int64_t kTopNodes = 4 * (kTopThreads / 32);
+
+__global__ void __launch_bounds__(kTopThreads)
+    top_kernel(NodeBox* nodes, const TreeLayout* layout, int first) {
+  const int levels = layout->levels;  // the same in every thread
+  for (int l = first; l < levels; ++l) {
+    level_boxes(nodes, layout, l, threadIdx.x / 32, kTopThreads / 32,
+                (int)(threadIdx.x & 31u));
+    __syncthreads();  // the level's boxes written before the next level reads them
   }
 }
 
@@ -652,7 +733,7 @@ __global__ void __launch_bounds__(kTeamThreads)
 
 }  // namespace
 
-TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
+TreeTensors build_tree_cuda(const at::Tensor& p_ref, int32_t* zero) {
   const int64_t n = p_ref.size(0);
   const TreeLayout most = tree_layout(n);  // the workspace: as many leaves as points
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -667,7 +748,8 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   t.layout = at::empty({(int64_t)sizeof(TreeLayout)}, bytes);
   auto* tp = reinterpret_cast<TreeParams*>(t.params.data_ptr<uint8_t>());
   auto* layout = reinterpret_cast<TreeLayout*>(t.layout.data_ptr<uint8_t>());
-  params_kernel<<<1, kParamsThreads, 0, stream>>>(partial.data_ptr<float>(), blocks, tp);
+  params_kernel<<<1, kParamsThreads, 0, stream>>>(partial.data_ptr<float>(), blocks, tp,
+                                                   zero);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto longs = p_ref.options().dtype(at::kLong);
   auto ints = p_ref.options().dtype(at::kInt);
@@ -682,23 +764,16 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
   // A radix sort of the codes' 3 * kMortonBits bits, rows as values; stable, so that
   // equal codes keep their rows' order and the tree is the same on every call.
   size_t temp_bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, temp_bytes, keys_in, keys_out, rows.data_ptr<int32_t>(),
-      order.data_ptr<int32_t>(), (int)n, 0, 3 * kMortonBits, stream));
+  C10_CUDA_CHECK(sort_codes(nullptr, temp_bytes, keys_in, keys_out, rows.data_ptr<int32_t>(),
+                            order.data_ptr<int32_t>(), n, stream));
   at::Tensor temp = at::empty({(int64_t)temp_bytes}, p_ref.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      temp.data_ptr(), temp_bytes, keys_in, keys_out, rows.data_ptr<int32_t>(),
-      order.data_ptr<int32_t>(), (int)n, 0, 3 * kMortonBits, stream));
-  at::Tensor window = at::empty({n}, p_ref.options().dtype(at::kChar));
-  window_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(keys_out, n,
-                                                        window.data_ptr<int8_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(sort_codes(temp.data_ptr(), temp_bytes, keys_in, keys_out,
+                            rows.data_ptr<int32_t>(), order.data_ptr<int32_t>(), n, stream));
   t.ref = at::empty({n, 4}, p_ref.options());
   at::Tensor flags = at::empty({n}, ints);
-  starts_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(
-      p_ref.data_ptr<float>(), order.data_ptr<int32_t>(), keys_out,
-      window.data_ptr<int8_t>(), n, flags.data_ptr<int32_t>(),
-      reinterpret_cast<Point4*>(t.ref.data_ptr<float>()));
+  starts_kernel<<<blocks_for(n, kStartsThreads), kStartsThreads, 0, stream>>>(
+      p_ref.data_ptr<float>(), order.data_ptr<int32_t>(), keys_out, n,
+      flags.data_ptr<int32_t>(), reinterpret_cast<Point4*>(t.ref.data_ptr<float>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor ids = at::cumsum(flags, 0, at::kInt);
   t.leaf_start = at::empty({n + 1}, ints);
@@ -715,10 +790,15 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
       reinterpret_cast<const Point4*>(t.ref.data_ptr<float>()),
       t.leaf_start.data_ptr<int32_t>(), layout, nodes);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  for (int l = 1; l < most.levels; ++l) {
+  int l = 1;
+  for (; l < most.levels && most.count[l] > kTopNodes; ++l) {
     const int64_t typical = std::max<int64_t>(1, most.count[l] / 8);
     level_kernel<<<blocks_for(typical * 32, kTreeThreads), kTreeThreads, 0, stream>>>(
         nodes, layout, l);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (l < most.levels) {
+    top_kernel<<<1, kTopThreads, 0, stream>>>(nodes, layout, l);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return t;
@@ -727,18 +807,19 @@ TreeTensors build_tree_cuda(const at::Tensor& p_ref) {
 void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
                    float inv_sigma, const at::Tensor* feats, at::Tensor* out,
                    at::Tensor& values, at::Tensor& indices) {
-  const TreeTensors t = build_tree_cuda(p_ref);
   const int64_t m = p_query.size(0), n = p_ref.size(0);
+  // The heavy list: the queries the first kernel hands on, and their number (zeroed by
+  // the build).
+  auto ints = p_query.options().dtype(at::kInt);
+  at::Tensor heavy = at::empty({std::max<int64_t>(m, 1)}, ints);
+  at::Tensor n_heavy = at::empty({1}, ints);
+  const TreeTensors t = build_tree_cuda(p_ref, n_heavy.data_ptr<int32_t>());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const float* x = feats ? feats->data_ptr<float>() : nullptr;
   float* o = out ? out->data_ptr<float>() : nullptr;
   const int64_t f = feats ? feats->size(1) : 0;
   const auto* ref = reinterpret_cast<const Point4*>(t.ref.data_ptr<float>());
   const auto* nodes = reinterpret_cast<const NodeBox*>(t.nodes.data_ptr<float>());
-  // The heavy list: the queries the first kernel hands on, and their number.
-  auto ints = p_query.options().dtype(at::kInt);
-  at::Tensor heavy = at::empty({std::max<int64_t>(m, 1)}, ints);
-  at::Tensor n_heavy = at::zeros({1}, ints);
   const int blocks = blocks_for(m, kWarps);
   // The heavy kernel's blocks loop over the list: four per multiprocessor.
   int sms = 0;
