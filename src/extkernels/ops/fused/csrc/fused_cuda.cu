@@ -106,9 +106,12 @@ __global__ void __launch_bounds__(kRobustChunk)
 
 // One block of kParamsThreads: a thread per (bound, axis, block) finds whether its
 // block's extreme is the bound, with `skip` blocks further out (0: the whole box;
-// robust_skip: the robust box, further_out in grid.h); then one thread sums the spread
-// and makes the grid.
+// robust_skip: the robust box, further_out in grid.h), and the same thread takes its
+// block's sum (or sum of squares) of that axis, which its warp adds up; then one thread
+// makes the grid. (One thread adding the blocks' sums one load after the other took
+// about 10 us on an H100.)
 constexpr int kParamsThreads = 6 * kRobustBlocks;
+static_assert(kRobustBlocks % 32 == 0, "a stat's blocks fill whole warps");
 
 __global__ void __launch_bounds__(kParamsThreads)
     params_kernel(const Moments* partial, int blocks, int64_t n, int skip, float min_h,
@@ -118,19 +121,25 @@ __global__ void __launch_bounds__(kParamsThreads)
   const int t = (int)threadIdx.x, b = t % kRobustBlocks, which = t / kRobustBlocks;
   const int a = which % 3;
   const bool upper = which >= 3;
+  // Thread (which, b) also takes block b's sum (which < 3) or sum of squares of axis a;
+  // the kRobustBlocks / 32 warps of a stat leave their sums in warp order.
+  __shared__ double sums[6][kRobustBlocks / 32];
+  double v = b < blocks ? (upper ? partial[b].sum2[a] : partial[b].sum[a]) : 0.0;
   if (b < blocks) extremes[which][b] = upper ? partial[b].hi[a] : partial[b].lo[a];
   __syncthreads();
   if (b < blocks && further_out(extremes[which], blocks, b, upper) == skip) {
     bound[which] = extremes[which][b];  // a far outlier falls in an edge cell
   }
+  v = warp_sum(v);
+  if (t % 32 == 0) sums[which][b / 32] = v;
   __syncthreads();
   if (t != 0) return;
   float lo[3], hi[3], sd[3];
   for (int axis = 0; axis < 3; ++axis) {
     double s = 0.0, s2 = 0.0;
-    for (int c = 0; c < blocks; ++c) {
-      s += partial[c].sum[axis];
-      s2 += partial[c].sum2[axis];
+    for (int w = 0; w < kRobustBlocks / 32; ++w) {
+      s += sums[axis][w];
+      s2 += sums[3 + axis][w];
     }
     const double mean = s / (double)n;
     const double var = s2 / (double)n - mean * mean;
@@ -493,14 +502,54 @@ __device__ __forceinline__ void test_32(const float* qp, const Point4* ref, int3
   chunk(__ballot_sync(0xffffffffu, inside), index, w);
 }
 
+// The runs of sorted points that the box query +- radius covers, one column of cells
+// (along the last axis) each, read by the lanes at once: lane c holds column c's run
+// [begin, end), the other lanes empty ones. `columns` is 0 for no box and -1 past 32
+// (the radius walk's cells are as wide as the radius, so its boxes span at most 3 x 3
+// columns): the walk then reads the columns one after the other.
+struct Runs {
+  int columns;
+  int32_t begin, end;
+};
+
+__device__ __forceinline__ Runs box_runs(const float* qp, const int32_t* start,
+                                         const GridParams& g, float radius, int lane) {
+  Runs r{0, 0, 0};
+  Box b;
+  if (!box_of(qp, radius, g, b)) return r;  // the same for the whole warp
+  const int64_t ny = b.hi[1] - b.lo[1] + 1, columns = (b.hi[0] - b.lo[0] + 1) * ny;
+  if (columns > 32) {
+    r.columns = -1;
+    return r;
+  }
+  r.columns = (int)columns;
+  if (lane < columns) {
+    const int64_t x = b.lo[0] + lane / ny, y = b.lo[1] + lane % ny;
+    const int64_t column = (x * g.dims[1] + y) * g.dims[2];
+    r.begin = start[column + b.lo[2]];
+    r.end = start[column + b.hi[2] + 1];
+  }
+  return r;
+}
+
 // The walk of for_neighbours with one warp per query: the lanes test 32 points of a run
 // at a time (test_32) and call chunk for each 32.
 template <typename Chunk>
-__device__ void for_chunks_warp(const float* qp, const Point4* ref, const int32_t* start,
-                                const GridParams& g, float radius, float inv_sigma,
-                                int lane, Chunk&& chunk) {
+__device__ void for_chunks_warp(const Runs& r, const float* qp, const Point4* ref,
+                                const int32_t* start, const GridParams& g, float radius,
+                                float inv_sigma, int lane, Chunk&& chunk) {
+  if (r.columns >= 0) {
+    for (int c = 0; c < r.columns; ++c) {
+      const int32_t begin = __shfl_sync(0xffffffffu, r.begin, c);
+      const int32_t end = __shfl_sync(0xffffffffu, r.end, c);
+      for (int32_t j0 = begin; j0 < end; j0 += 32) {
+        test_32(qp, ref, j0, end, radius, inv_sigma, lane, chunk);
+      }
+    }
+    return;
+  }
   Box b;
-  if (!box_of(qp, radius, g, b)) return;  // the same for the whole warp
+  box_of(qp, radius, g, b);
   for (int64_t x = b.lo[0]; x <= b.hi[0]; ++x) {
     for (int64_t y = b.lo[1]; y <= b.hi[1]; ++y) {
       const int64_t column = (x * g.dims[1] + y) * g.dims[2];
@@ -515,11 +564,11 @@ __device__ void for_chunks_warp(const float* qp, const Point4* ref, const int32_
 // Every point within the radius (found by the walk's ballot, taken in turn) handed to
 // all 32 lanes at once, as visit(row, weight).
 template <typename Visit>
-__device__ void for_neighbours_warp(const float* qp, const Point4* ref,
+__device__ void for_neighbours_warp(const Runs& r, const float* qp, const Point4* ref,
                                     const int32_t* start, const GridParams& g,
                                     float radius, float inv_sigma, int lane,
                                     Visit&& visit) {
-  for_chunks_warp(qp, ref, start, g, radius, inv_sigma, lane,
+  for_chunks_warp(r, qp, ref, start, g, radius, inv_sigma, lane,
                   [&](unsigned found, int32_t index, float w) {
                     for (; found; found &= found - 1u) {
                       const int src = __ffs(found) - 1;
@@ -620,9 +669,15 @@ __global__ void __launch_bounds__(kThreads)
   if (row >= m) return;  // the whole warp: one row
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
+  const Runs runs = box_runs(qp, start, g, radius, lane);
   if (dense != nullptr) {
-    if (box_points(qp, start, g, radius) > kDenseBox) {
-      const int list = team_list(box_chunks(qp, start, g, radius));
+    const int64_t points = runs.columns >= 0 ? warp_sum((int64_t)(runs.end - runs.begin))
+                                             : box_points(qp, start, g, radius);
+    if (points > kDenseBox) {
+      const int64_t chunks = runs.columns >= 0
+                                 ? warp_sum((int64_t)((runs.end - runs.begin + 31) / 32))
+                                 : box_chunks(qp, start, g, radius);
+      const int list = team_list(chunks);
       if (lane == 0) {
         dense[kTeamLists + list * m + atomicAdd(dense + list, 1)] = (int32_t)row;
       }
@@ -633,7 +688,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int t = 0; t < FPL; ++t) acc[t] = 0;
   float total = 0.0f;
-  for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
+  for_neighbours_warp(runs, qp, ref, start, g, radius, inv_sigma, lane,
                       [&](int64_t rj, float wj) {
                         total += wj;
 #pragma unroll
@@ -801,7 +856,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   const GridParams g = *params;
   const float qp[3] = {q[3 * row], q[3 * row + 1], q[3 * row + 2]};
-  for_neighbours_warp(qp, ref, start, g, radius, inv_sigma, lane,
+  const Runs runs = box_runs(qp, start, g, radius, lane);
+  for_neighbours_warp(runs, qp, ref, start, g, radius, inv_sigma, lane,
                       [&](int64_t rj, float wj) {
 #pragma unroll
                         for (int t = 0; t < FPL; ++t) {
