@@ -20,7 +20,10 @@ from .timing import ranked as order_of
 from .timing import summary, verdict
 
 __all__ = [
+    "BENCHMARK",
     "load",
+    "recorded",
+    "source",
     "run_card",
     "runs_per_variant",
     "book_table",
@@ -49,6 +52,38 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
     ]
     df[numeric] = df[numeric].apply(pd.to_numeric, errors="coerce")
     return data["meta"], df
+
+
+# The benchmark command's H200 results, relative to book/ (a chapter's working directory)
+BENCHMARK = "data/benchmark-h200.json"
+
+
+def recorded(names: list[str], path: str | Path = BENCHMARK) -> pd.DataFrame:
+    """The rows of ``names`` in the benchmark command's results (``path``), in that
+    order, with the file's ``meta`` in ``attrs["meta"]``: the table a chapter shows
+    for variants the benchmark command times (each one number in the whole book).
+    ``extkernels.benchmark.run_all(names, repeats=5)`` times them on the machine at
+    hand instead.
+
+    Raises:
+        KeyError: a name the file holds no row for (its message lists them).
+    """
+    meta, df = load(path)
+    missing = [n for n in names if n not in df.index]
+    if missing:
+        raise KeyError(f"names: no row in {path} for {missing}")
+    out = df.loc[list(names)]
+    out.attrs["meta"] = meta
+    return out
+
+
+def source(table: pd.DataFrame) -> str:
+    """Where a :func:`recorded` table comes from, for the line under it."""
+    meta = table.attrs["meta"]
+    return (
+        f"{meta['hardware']}, benchmark command, {runs_per_variant(table)} fresh "
+        f"processes per variant, {measured(meta)} UTC"
+    )
 
 
 def runs_per_variant(df: pd.DataFrame) -> str:

@@ -1,0 +1,200 @@
+"""The book's prose: short chapters with a frame, few glued numbers, and the operator
+chapters' registrations typed in cells the reader runs (not shown from the package).
+
+Prose is the text of the markdown cells (of a ``.md`` page, the whole page) without
+fenced blocks (code, directives) and HTML comments, counted in whitespace-separated
+words, as a reader meets it."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import ROOT, toc_files
+
+MAX_CHAPTER_WORDS = 2_200
+MAX_BOOK_WORDS = 24_000
+MAX_GLUED = 20
+MAX_SUMMARY_BULLETS = 5
+
+# chapter -> the registration calls its input cells make, in the order typed
+OPERATOR_CHAPTERS = {
+    "03_cuml_knn": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
+    "05_warp_radius": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
+    "06_warp_backward": (
+        "custom_op",
+        "register_fake",
+        "setup_context",
+        "register_autograd",
+        "opcheck",
+        "fullgraph=True",
+    ),
+    "08_triton_knn": (
+        "register_fake",
+        "triton_op",
+        "wrap_triton",
+        "register_autograd",
+        "opcheck",
+        "fullgraph=True",
+    ),
+    "09_cuda_knn": (
+        "TORCH_LIBRARY",
+        "load_inline",
+        "register_fake",
+        "register_autograd",
+        "opcheck",
+        "fullgraph=True",
+    ),
+    "10_ptx_gather": (
+        "custom_op",
+        "register_fake",
+        "register_autograd",
+        "opcheck",
+        "fullgraph=True",
+    ),
+    "14_real_clouds": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
+}
+
+FENCE = re.compile(r"^(`{3,}|:{3,}).*?^\1\s*$", re.S | re.M)
+COMMENT = re.compile(r"<!--.*?-->", re.S)
+GLUE = re.compile(r"\{glue(?::[a-z]+)?\}`")
+
+
+def _pages() -> list[Path]:
+    pages = []
+    for f in toc_files():
+        for ext in (".ipynb", ".md"):
+            if (ROOT / f"{f}{ext}").exists():
+                pages.append(ROOT / f"{f}{ext}")
+    return pages
+
+
+def markdown(path: Path) -> list[str]:
+    """The markdown of a page, one string per markdown cell."""
+    if path.suffix == ".md":
+        return [path.read_text()]
+    nb = nbformat.read(path, as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "markdown"]
+
+
+def prose(text: str) -> str:
+    # a directive's fence (```{figure}, :::{note}) holds prose only between its
+    # options and its end: keep admonitions' bodies, drop code and literal includes
+    text = COMMENT.sub("", text)
+    kept = []
+    for block in re.split(r"(^(?:`{3,}|:{3,}).*?^(?:`{3,}|:{3,})\s*$)", text, flags=re.S | re.M):
+        if re.match(r"^(`{3,}|:{3,})\{(note|tip|important|warning|admonition|seealso)", block):
+            kept.append("\n".join(l for l in block.splitlines()[1:-1] if not l.startswith(":")))
+        elif not re.match(r"^(`{3,}|:{3,})", block):
+            kept.append(block)
+    return "\n".join(kept)
+
+
+def words(path: Path) -> int:
+    return sum(len(prose(m).split()) for m in markdown(path))
+
+
+def glued(path: Path) -> int:
+    return sum(len(GLUE.findall(prose(m))) for m in markdown(path))
+
+
+PAGES = _pages()
+CHAPTERS = [p for p in PAGES if re.match(r"\d\d_", p.name)]
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
+def test_a_page_is_short(path):
+    n = words(path)
+    assert n <= MAX_CHAPTER_WORDS, (
+        f"{path.name}: {n} words of prose, at most {MAX_CHAPTER_WORDS}: let tables carry "
+        "the numbers and move what was tried and lost to the design notes"
+    )
+
+
+def test_the_book_is_short():
+    per_page = {p.name: words(p) for p in PAGES}
+    total = sum(per_page.values())
+    assert total <= MAX_BOOK_WORDS, (
+        f"{total} words of prose in the book, at most {MAX_BOOK_WORDS}: {per_page}"
+    )
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
+def test_prose_quotes_few_glued_numbers(path):
+    n = glued(path)
+    assert n <= MAX_GLUED, (
+        f"{path.name}: {n} glued values in its prose, at most {MAX_GLUED}: a sentence "
+        "with three glued numbers is a table waiting to happen"
+    )
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_a_chapter_opens_with_what_you_will_learn_and_closes_with_a_summary(path):
+    cells = markdown(path)
+    opening = prose(cells[0])
+    assert "What you will learn" in opening, f"{path.name}: no 'What you will learn'"
+    assert "Prerequisites" in opening, f"{path.name}: no prerequisites in its opening"
+    learn = opening.split("What you will learn", 1)[1].split("Prerequisites", 1)[0]
+    bullets = len(re.findall(r"^\s*[-*] ", learn, re.M))
+    assert 3 <= bullets <= 5, f"{path.name}: {bullets} bullets to learn, 3 to 5"
+    closing = cells[-1]
+    assert re.search(r"^#+ Summary", closing, re.M), (
+        f"{path.name}: its last markdown cell is not a '## Summary'"
+    )
+    n = len(re.findall(r"^\s*[-*] ", closing.split("Summary", 1)[1], re.M))
+    assert 1 <= n <= MAX_SUMMARY_BULLETS, f"{path.name}: {n} summary bullets"
+
+
+@pytest.mark.parametrize("name", OPERATOR_CHAPTERS)
+def test_operator_chapters_type_their_registration(name):
+    nb = nbformat.read(ROOT / "book" / f"{name}.ipynb", as_version=4)
+    typed = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    calls = OPERATOR_CHAPTERS[name]
+    missing = [c for c in calls if c not in typed]
+    assert not missing, f"{name}: no input cell calls {missing}"
+    order = [typed.index(c) for c in calls]
+    assert order == sorted(order), (
+        f"{name}: the registration is typed out of order (expected {calls})"
+    )
+
+
+@pytest.mark.parametrize("name", OPERATOR_CHAPTERS)
+def test_the_registration_is_not_shown_from_the_package(name):
+    nb = nbformat.read(ROOT / "book" / f"{name}.ipynb", as_version=4)
+    listings = [
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and re.search(r"show_(source|listing|cpp)\(", c.source)
+    ]
+    shown = "\n".join(
+        o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+        for c in listings
+        for o in c.get("outputs", [])
+    )
+    for call in ("register_fake", "register_autograd", "TORCH_LIBRARY("):
+        assert call not in shown, (
+            f"{name}: a package listing shows {call}: the reader types the registration"
+        )
+    assert len(listings) <= 2, (
+        f"{name}: {len(listings)} package listings, at most two (long optimised kernels)"
+    )
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
+def test_prose_says_what_is_so_now(path):
+    text = "\n".join(prose(m) for m in markdown(path))
+    stale = [
+        phrase
+        for phrase in (
+            "H100",
+            "timed before",
+            "earlier runs",
+            "before that change",
+            "committed",
+            "tried and lost",
+        )
+        if phrase in text
+    ]
+    if path.stem == "design_notes":
+        stale = [s for s in stale if s not in ("tried and lost",)]
+    assert not stale, f"{path.name}: lab-notebook phrasing {stale}"
