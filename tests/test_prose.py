@@ -55,7 +55,10 @@ OPERATOR_CHAPTERS = {
     "14_real_clouds": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
 }
 
-FENCE = re.compile(r"^(`{3,}|:{3,}).*?^\1\s*$", re.S | re.M)
+BLOCK = re.compile(r"(^(?:`{3,}|:{3,}).*?^(?:`{3,}|:{3,})\s*$)", re.S | re.M)
+ADMONITION = re.compile(
+    r"^(`{3,}|:{3,})\{(note|tip|important|warning|admonition|seealso)"
+)
 COMMENT = re.compile(r"<!--.*?-->", re.S)
 GLUE = re.compile(r"\{glue(?::[a-z]+)?\}`")
 
@@ -78,14 +81,14 @@ def markdown(path: Path) -> list[str]:
 
 
 def prose(text: str) -> str:
-    # a directive's fence (```{figure}, :::{note}) holds prose only between its
-    # options and its end: keep admonitions' bodies, drop code and literal includes
-    text = COMMENT.sub("", text)
+    """The prose of some markdown: fenced code and directives dropped, the bodies of
+    admonitions (``:::{note}``) kept without their option lines."""
     kept = []
-    for block in re.split(r"(^(?:`{3,}|:{3,}).*?^(?:`{3,}|:{3,})\s*$)", text, flags=re.S | re.M):
-        if re.match(r"^(`{3,}|:{3,})\{(note|tip|important|warning|admonition|seealso)", block):
-            kept.append("\n".join(l for l in block.splitlines()[1:-1] if not l.startswith(":")))
-        elif not re.match(r"^(`{3,}|:{3,})", block):
+    for block in BLOCK.split(COMMENT.sub("", text)):
+        if ADMONITION.match(block):
+            body = block.splitlines()[1:-1]
+            kept.append("\n".join(line for line in body if not line.startswith(":")))
+        elif not BLOCK.match(block):
             kept.append(block)
     return "\n".join(kept)
 
@@ -106,7 +109,7 @@ CHAPTERS = [p for p in PAGES if re.match(r"\d\d_", p.name)]
 def test_a_page_is_short(path):
     n = words(path)
     assert n <= MAX_CHAPTER_WORDS, (
-        f"{path.name}: {n} words of prose, at most {MAX_CHAPTER_WORDS}: let tables carry "
+        f"{path.name}: {n} words of prose, at most {MAX_CHAPTER_WORDS}: tables carry "
         "the numbers and move what was tried and lost to the design notes"
     )
 
@@ -176,7 +179,7 @@ def test_the_registration_is_not_shown_from_the_package(name):
             f"{name}: a package listing shows {call}: the reader types the registration"
         )
     assert len(listings) <= 2, (
-        f"{name}: {len(listings)} package listings, at most two (long optimised kernels)"
+        f"{name}: {len(listings)} package listings, at most two (long kernels)"
     )
 
 

@@ -299,23 +299,6 @@ def test_one_build_per_shape():
 # ------------------------------------------------------- chapter 10's helpers
 
 
-def test_the_listings_show_the_registration():
-    from extkernels.experiments.triton_launch import listing
-    from extkernels.ops.ptx import ops
-
-    assert ptx_tiers.show_listing.__module__.endswith("triton_launch")  # chapter 8's
-    registration = listing(ops.gather, ops.gather_fake)
-    assert registration.startswith('@torch.library.custom_op("extkernels_ptx::gather"')
-    assert '@gather.register_kernel("cpu")' in registration
-    assert "@gather.register_fake\ndef gather_fake(" in registration
-    assert "scatter" not in registration  # it stops at the end of the fake
-    autograd = listing(ops.gather_setup_context, "register_autograd")
-    assert autograd.startswith("def gather_setup_context(ctx, inputs, output):")
-    assert autograd.endswith(
-        "gather.register_autograd(gather_backward, setup_context=gather_setup_context)"
-    )
-
-
 def test_references_pass_and_catch_a_wrong_gather(monkeypatch):
     weights, indices, feats, grad_out = _inputs("random", m=60, k=5, n=80, f=25)
     feats32 = torch.randn(80, 32, generator=torch.Generator().manual_seed(3))

@@ -440,7 +440,11 @@ def test_results_tables_from_a_benchmark_file(tmp_path):
     assert book.loc["knn/torch", "forward ms"] == "80.000 (79.000–82.500)"
     assert (book.loc["knn/torch", "chapter"], book.loc["knn/new", "chapter"]) == (1, "")
     anchor = results.anchor_table(df)
-    assert anchor.loc["knn/torch", "A100 (anchor)"] == "144.0 / 144.8"
+    from extkernels.reference import ANCHOR_A100
+
+    assert anchor.loc["knn/torch", ANCHOR_A100] == "144.0 / 144.8"
+    # the anchor's compiled pair: compiled forward and compiled training step
+    assert anchor.loc["knn/cuml-op+compile+rmm", ANCHOR_A100] == "11.2 / 12.6"
     assert anchor.loc["knn/torch", "this book (median)"] == "80 / 81"
     assert (
         anchor.loc["radius/warp+compile", "this book (median)"] == ""

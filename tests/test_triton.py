@@ -232,29 +232,6 @@ def test_listings_show_the_function_inside_a_triton_op():
 # ------------------------------------------------------- chapter 8's helpers
 
 
-def test_listing_runs_from_a_function_through_a_registration():
-    from extkernels.experiments.triton_launch import listing
-
-    fake = listing(ops.knn_cpu, ops.knn_fake)
-    assert fake.startswith('@knn_op.register_kernel("cpu")\ndef knn_cpu(')
-    assert "@knn_op.register_fake\ndef knn_fake(" in fake
-    assert fake.endswith("dtype=torch.int64)")  # the fake's return, and no further
-    autograd = listing(ops.knn_aggregate_bwd_op, "register_autograd")
-    assert autograd.startswith(
-        '@torch.library.triton_op("triton_knn::knn_aggregate_bwd"'
-    )
-    assert "def knn_aggregate_setup_context(" in autograd
-    # a call over several lines is shown through its closing parenthesis
-    assert autograd.endswith(
-        "knn_aggregate_fwd_op.register_autograd(\n    knn_aggregate_backward, "
-        "setup_context=knn_aggregate_setup_context\n)"
-    )
-    with pytest.raises(ValueError, match="no line below knn_fake"):
-        listing(ops.knn_fake, "register_autograd(knn_fake")
-    with pytest.raises(ValueError, match="is not below knn_fake"):
-        listing(ops.knn_fake, ops.knn_cpu)
-
-
 def _timings(**train_ms):
     import pandas as pd
 

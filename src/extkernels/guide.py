@@ -6,13 +6,25 @@ costs. The results page opens with it; chapter 12 derives it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from . import results
+from .ops.cuml import DEFAULT_ALGORITHM as CUML_ALGORITHM
 
-__all__ = ["GLOSSARY", "TOOLCHAIN", "guide", "source_lines"]
+__all__ = [
+    "AUTOGRAD",
+    "CUML_SEARCHES",
+    "GLOSSARY",
+    "ROWS",
+    "TOOLCHAIN",
+    "guide",
+    "has_autograd",
+    "source_lines",
+]
 
 _OPS = Path(__file__).parent / "ops"
 
@@ -26,6 +38,35 @@ TOOLCHAIN = {
     "warp": "the warp-lang wheel",
     "cuml": "the RAPIDS wheels (cuML, RMM, CuPy)",
 }
+
+#: Each row of the guide: the backend it recommends and the operation whose custom
+#: operator the row describes (``None``: plain PyTorch, no operator of its own).
+ROWS = {
+    "A reference to test against, a prototype": ("torch", None),
+    "kNN in a training loop, any cloud": ("fused", "knn_aggregate"),
+    "kNN on clouds known to be blobs": ("fused", "knn_aggregate"),
+    "kNN without a C++ toolchain": ("triton", "knn_aggregate"),
+    "A kNN library you already use (cuML)": ("cuml", "knn"),
+    "Radius neighbourhoods": ("fused", "radius_aggregate"),
+    "Radius neighbourhoods, Warp already in your stack": ("warp", "radius_aggregate"),
+}
+
+#: Whether the custom operator of a (backend, operation) has an autograd formula, as
+#: its chapter registers it: the guide's words follow it, and the tests check it
+#: against the dispatcher (:func:`has_autograd`, ``tests/test_guide_words.py``).
+#: cuML's operator is only the search: the neighbours need no gradient, and PyTorch's
+#: gather after it carries the features' (chapter 3).
+AUTOGRAD = {
+    ("cuml", "knn"): False,
+    ("triton", "knn_aggregate"): True,
+    ("fused", "knn_aggregate"): True,
+    ("fused", "radius_aggregate"): True,
+    ("warp", "radius_aggregate"): True,
+}
+
+#: cuML's exact searches as the guide names them; it names the one the book's operator
+#: runs (``extkernels.ops.cuml.DEFAULT_ALGORITHM``, chapter 3).
+CUML_SEARCHES = {"rbc": "random ball cover (RBC)", "brute": "brute force"}
 
 #: The parts of a variant's name (``workload/backend+option@cloud``).
 GLOSSARY = {
@@ -67,6 +108,49 @@ def source_lines(backend: str) -> int:
     return sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
 
 
+def has_autograd(qualname: str) -> bool:
+    """Whether the operator ``qualname`` (``"lib::name"``, already defined in this
+    process) has an autograd formula. A ``custom_op`` or ``triton_op`` always has a
+    kernel at the dispatcher's Autograd key, one that raises without a formula, so its
+    definition is asked instead; an operator defined in C++ (``TORCH_LIBRARY``) has an
+    Autograd kernel only once ``register_autograd`` gave it one."""
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    opdef = _maybe_get_opdef(qualname)
+    if opdef is not None:
+        return opdef._backward_fn is not None
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
+
+
+def _registered(backend: str, operation: str) -> str:
+    """What a backend's operator registers beside its kernel, in words."""
+    if AUTOGRAD[(backend, operation)]:
+        return "with a fake and an autograd formula"
+    # a search alone: the neighbours carry no gradient, PyTorch's gather after it does
+    return "with a fake and no gradient formula, which the neighbours do not need"
+
+
+def _at_least(x: float, digits: int = 0) -> str:
+    """``x`` rounded down, for an "at least" claim."""
+    return f"{math.floor(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
+
+
+def _at_most(x: float, digits: int = 0) -> str:
+    """``x`` rounded up, for an "at most" claim."""
+    return f"{math.ceil(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
+
+
+def _against_normal(ratio: pd.Series) -> str:
+    """A method's time on every cloud over its time on the book's cloud, in words."""
+    others = ratio.drop("normal")
+    if others.max() <= 1.0:
+        return "no slower on any cloud than on the book's cloud"
+    return (
+        f"at most {_at_most(others.max(), 1)}× its time on the book's cloud, on every "
+        f"cloud (the slowest: {others.idxmax()})"
+    )
+
+
 def _cost(bench: pd.DataFrame, variant: str, backend: str) -> str:
     first = bench.loc[variant, "first_call_s"] if variant in bench.index else None
     when = (
@@ -104,63 +188,64 @@ def guide(
     radius = results.radius_targets(times)
     fused_x, warp_x = radius["fused-radius / normal"], radius["warp-radius / normal"]
     cuml = results.at_size(times, 1_000_000, ["cuml"])["cuml"]
+    search = CUML_SEARCHES[CUML_ALGORITHM]
+    cuml_ms = f"{cuml.min():.0f} to {cuml.max():.0f} ms"
     rows = [
         (
-            "A reference to test against, a prototype",
             "the PyTorch brute force, compiled (chapters 1 and 2)",
             _train(bench, "knn/torch+compile"),
             "the same work on any cloud; memory grows as N × M (chapter 12)",
             _cost(bench, "knn/torch+compile", "torch"),
         ),
         (
-            "kNN in a training loop, any cloud",
-            "the fused operators (chapters 11 and 14), the step in one CUDA graph",
+            "the fused operators (chapters 11 and 14), "
+            f"{_registered('fused', 'knn_aggregate')}; the step in one CUDA graph",
             _train(bench, "knn/fused+graphs"),
-            f"search at most {tree['ms at 10⁶'].max():.2f} ms at 10⁶ points on "
-            f"every cloud, {tree['x cuml at 10⁶'].min():.0f}× cuML or more; "
-            f"training step on CAD meshes within {mesh_ratio:.2f}× the book's cloud",
+            f"search at most {_at_most(tree['ms at 10⁶'].max(), 2)} ms at 10⁶ points "
+            f"on every cloud, {_at_least(tree['x cuml at 10⁶'].min())}× cuML or more; "
+            f"training step on CAD meshes within {_at_most(mesh_ratio, 2)}× the "
+            "book's cloud",
             _cost(bench, "knn/fused+graphs", "fused"),
         ),
         (
-            "kNN on clouds known to be blobs",
-            "the fused operators with index='grid' (chapter 11)",
+            "the fused operators with index='grid' (chapter 11), "
+            f"{_registered('fused', 'knn_aggregate')}",
             _train(clouds, "knn/fused-grid+graphs"),
             f"falls off a cliff: {_worst(times, 'fused-grid')}",
             _cost(clouds, "knn/fused-grid+graphs", "fused"),
         ),
         (
-            "kNN without a C++ toolchain",
-            "the Triton grid search (chapter 8)",
+            "the Triton grid search (chapter 8), a triton_op "
+            f"{_registered('triton', 'knn_aggregate')}",
             _train(bench, "knn/triton+reduce-overhead"),
-            f"the same cliff, {_worst(times, 'triton')}; there cuML's brute force "
-            f"({cuml.min():.0f} to {cuml.max():.0f} ms on every cloud) is safer",
+            f"the same cliff, {_worst(times, 'triton')}; there cuML's search "
+            f"({cuml_ms} on every cloud) is safer",
             _cost(bench, "knn/triton+reduce-overhead", "triton"),
         ),
         (
-            "A kNN library you already use (cuML)",
-            "a custom operator with a fake and an autograd formula (chapter 3), one "
-            "memory pool (chapter 4)",
+            f"cuML's exact search, its {search}, as a custom operator "
+            f"{_registered('cuml', 'knn')} (chapter 3); one memory pool (chapter 4)",
             _train(bench, "knn/cuml-op+compile+rmm"),
-            f"a brute force: {cuml.min():.0f} to {cuml.max():.0f} ms per search at "
-            "10⁶ points on every cloud; no CUDA graph can hold it",
+            f"little moved by the cloud: {cuml_ms} per search at 10⁶ "
+            "points on every cloud; no CUDA graph can hold it",
             _cost(bench, "knn/cuml-op+compile+rmm", "cuml"),
         ),
         (
-            "Radius neighbourhoods",
-            "the fused warp-per-query walk (chapter 11) in one graph",
+            "the fused warp-per-query walk (chapter 11), "
+            f"{_registered('fused', 'radius_aggregate')}, in one graph",
             _train(bench, "radius/fused+graphs"),
-            f"at most {fused_x.max():.1f}× its time on the book's cloud, on every "
-            f"cloud ({fused_x.idxmax()})",
+            _against_normal(fused_x),
             _cost(bench, "radius/fused+graphs", "fused"),
         ),
         (
-            "Radius neighbourhoods, Warp already in your stack",
-            "Warp's hash grid as a custom operator (chapters 5 to 7)",
+            "Warp's hash grid as a custom operator "
+            f"{_registered('warp', 'radius_aggregate')} (chapters 5 to 7)",
             _train(bench, "radius/warp+graphs"),
-            f"up to {warp_x.max():.1f}× its time on the book's cloud "
-            f"({warp_x.idxmax()})",
+            f"up to {warp_x.drop('normal').max():.1f}× its time on the book's cloud "
+            f"({warp_x.drop('normal').idxmax()})",
             _cost(bench, "radius/warp+graphs", "warp"),
         ),
     ]
+    rows = [(situation, *row) for situation, row in zip(ROWS, rows, strict=True)]
     columns = ["situation", "use", "on the book's cloud", "on real geometry", "cost"]
     return pd.DataFrame(rows, columns=columns).set_index("situation")

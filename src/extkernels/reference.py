@@ -15,27 +15,35 @@ __all__ = [
     "knn_reference",
     "validate_knn",
     "validate_close",
-    "published",
+    "ANCHOR_A100",
+    "ANCHOR_H200",
+    "anchor_figures",
     "not_like_for_like",
 ]
 
-# Figures published by the tutorial this book grows from (one A100, ms per iteration,
-# forward / training step), and the same straightforward code measured on an H200 with
-# torch 2.11, under the names of the book's variants that do the same thing (the
-# anchor's cuML with a graph break is knn/cuml+compile; its shared RMM pool sits under
-# the compiled custom operator).
-published = {
-    "A100 (anchor)": {
+#: The column of the figures the tutorial this book grows from published (one A100).
+ANCHOR_A100 = "A100, published by the anchor tutorial"
+#: The column of the same tutorial's code as this book measured it (one H200, torch
+#: 2.11): the book's own measurement, not a published figure.
+ANCHOR_H200 = "H200, the anchor's code timed by the book (torch 2.11)"
+
+# ms per iteration, forward / training step, under the names of the book's variants
+# that do the same thing (the anchor's cuML with a graph break is knn/cuml+compile; its
+# shared RMM pool sits under the compiled custom operator). Each pair is one mode: the
+# compiled custom operator's row is the anchor's compiled forward and compiled training
+# step (11.163 / 12.571 ms).
+anchor_figures = {
+    ANCHOR_A100: {
         "knn/torch": (144.0, 144.8),
         "knn/torch+compile": (74.2, 74.7),
         "knn/cuml": (14.1, 15.8),
         "knn/cuml+compile": (15.7, 17.7),
-        "knn/cuml-op+compile+rmm": (11.2, 12.8),
+        "knn/cuml-op+compile+rmm": (11.163, 12.571),
         "radius/torch": (161.4, 260.7),
         "radius/torch+compile": (38.7, 86.2),
         "radius/warp+compile": (13.5, 30.0),
     },
-    "H200 (straightforward code, torch 2.11)": {
+    ANCHOR_H200: {
         "knn/torch": (87.2, 87.6),
         "knn/torch+compile": (39.1, 39.5),
         "knn/cuml": (8.8, 10.9),
@@ -46,8 +54,8 @@ published = {
     },
 }
 
-# Rows of `published` whose code computes the result differently from the book's variant
-# of the same name, and how.
+# Rows of `anchor_figures` whose code computes the result differently from the book's
+# variant of the same name, and how.
 not_like_for_like = {
     "radius/torch": "a different algorithm: the anchor's code takes a softmax over all "
     "N points through an M × N × F broadcast; the book's brute force masks the weights "

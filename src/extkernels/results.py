@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import clouds
-from .reference import not_like_for_like, published
+from .reference import anchor_figures, not_like_for_like
 from .timing import ranked as order_of
 from .timing import summary, verdict
 
@@ -54,7 +54,7 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
     return data["meta"], df
 
 
-# The benchmark command's H200 results, relative to book/ (a chapter's working directory)
+# The benchmark command's H200 results, relative to book/ (chapters run there)
 BENCHMARK = "data/benchmark-h200.json"
 
 
@@ -161,11 +161,11 @@ def floors_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
 
 
 def anchor_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The variants that the anchor tutorial (one A100) and the same straightforward
-    code on an H200 also timed, their figures beside this book's medians (ms forward /
-    training)."""
+    """The variants of the anchor tutorial: the figures it published (one A100) and its
+    code as this book timed it on an H200 (``reference.anchor_figures``), beside this
+    book's medians of ``df`` (ms forward / training)."""
     rows = {}
-    for source, figures in published.items():
+    for source, figures in anchor_figures.items():
         for variant, (fwd, train) in figures.items():
             rows.setdefault(variant, {})[source] = f"{fwd:.1f} / {train:.1f}"
     out = pd.DataFrame(rows).T

@@ -8,7 +8,7 @@ and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly
 ``torch.compile`` to trace pyptx's kernel object itself. All these but
 :func:`bucket_builds` need a Hopper GPU. :func:`check_against_references` compares the
 operators with float64 sums and chapter 9's C++ gather; the ``*_glue`` functions give
-the numbers the chapter's prose quotes; :func:`show_listing` is chapter 8's.
+the numbers the chapter's prose quotes.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ from ..ops.checks import value_checks
 from ..ops.ptx import kernels
 from ..ops.triton import ops as triton_ops
 from ..timing import first_call_seconds, ranked, time_blocks, verdict
-from .triton_launch import show_listing
 
 __all__ = [
-    "show_listing",
     "check_against_references",
     "pyptx_operator",
     "call_costs",

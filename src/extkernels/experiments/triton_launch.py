@@ -7,13 +7,10 @@ inductor declines CUDA graphs for a function compiled with ``mode="reduce-overhe
 :func:`autotune_times` times the search with and without Triton's autotuner. These need
 a CUDA GPU. :func:`generated_lines` reads inductor's generated code,
 :func:`against_targets` and :func:`targets_glue` set the timings beside the chapter's
-targets, and :func:`show_listing` shows a registration as the package types it
-(chapters 8 and 10).
+targets.
 """
 
-import inspect
 from collections.abc import Callable
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -21,7 +18,6 @@ import triton
 from torch.library import wrap_triton
 from triton.testing import do_bench
 
-from ..notebook import decorated
 from ..ops.checks import value_checks
 from ..ops.triton import ops
 from ..ops.triton.kernels import knn_kernel
@@ -35,8 +31,6 @@ __all__ = [
     "generated_lines",
     "against_targets",
     "targets_glue",
-    "listing",
-    "show_listing",
 ]
 
 #: Chapter 8's targets on the H200: forward and training milliseconds at most, and
@@ -203,35 +197,3 @@ def targets_glue(table: pd.DataFrame, targets: pd.DataFrame) -> dict[str, object
 def _met(met: list[bool]) -> str:
     """Two targets' outcome in words."""
     return {2: "meets both", 1: "meets one of", 0: "misses both"}[sum(map(bool, met))]
-
-
-def listing(first, through) -> str:
-    """The source of ``first`` (a function, an operator or a kernel, decorators
-    included) and the code below it in its module, through the end of ``through`` (a
-    function defined further down) or through the statement on the first line that
-    contains ``through`` (a string, for a registration call such as
-    ``"register_autograd"``). Chapters 8 and 10 show a registration this way."""
-    fn = decorated(first)
-    lines = Path(inspect.getsourcefile(fn)).read_text().splitlines()
-    start = inspect.getsourcelines(fn)[1] - 1
-    if isinstance(through, str):
-        end = next((i for i in range(start, len(lines)) if through in lines[i]), -1)
-        if end < 0:
-            raise ValueError(f"through: no line below {fn.__name__} has {through!r}")
-        depth = lines[end].count("(") - lines[end].count(")")
-        while depth > 0:  # a call over several lines: through its closing parenthesis
-            end += 1
-            depth += lines[end].count("(") - lines[end].count(")")
-    else:
-        body, at = inspect.getsourcelines(decorated(through))
-        end = at - 1 + len(body) - 1
-    if end < start:
-        raise ValueError(f"through: {through!r} is not below {fn.__name__}")
-    return "\n".join(lines[start : end + 1])
-
-
-def show_listing(first, through) -> object:
-    """:func:`listing`, rendered as a highlighted block."""
-    from IPython.display import Code
-
-    return Code(listing(first, through), language="python")

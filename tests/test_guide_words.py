@@ -1,0 +1,140 @@
+"""The guide's words about each backend agree with what the backend registers: an
+autograd formula named only where the operator has one, and cuML's search named as the
+algorithm the book's operator runs (chapter 3), never as a brute force.
+
+The guide is the table the results page opens with and chapter 12 derives
+(:func:`extkernels.guide.guide`)."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+from conftest import ROOT, toc_files
+
+from extkernels import guide, results
+from extkernels.experiments import geometry
+from extkernels.ops import cuml, registry
+
+DATA = ROOT / "book" / "data"
+
+
+@pytest.fixture(scope="module")
+def table():
+    _, bench = results.load(DATA / "benchmark-h200.json")
+    _, clouds = results.load(DATA / "benchmark-clouds-h200.json")
+    _, times, _ = geometry.load(DATA / "geometry-h200.json")
+    return guide.guide(bench, clouds, times), times
+
+
+def _operator(backend: str, operation: str) -> str:
+    """The qualified name of the custom operator behind a guide row, made to exist."""
+    b = {b.name: b for b in registry.registered()}[backend]
+    qualname = b.operators[operation]
+    if backend in ("cpp", "fused") and not b.available():
+        pytest.skip(f"{backend}: its operators need a C++ toolchain to be built")
+    b.prepare()
+    return qualname
+
+
+def test_has_autograd_asks_the_definition_not_the_autograd_key():
+    """A custom_op always has an Autograd kernel (one that raises without a formula):
+    the dispatcher's key alone would say every custom operator has a backward."""
+
+    @torch.library.custom_op("test_guide_words::plain", mutates_args=())
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @torch.library.custom_op("test_guide_words::with_backward", mutates_args=())
+    def with_backward(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    with_backward.register_autograd(lambda ctx, grad: grad)
+    has_key = torch._C._dispatch_has_kernel_for_dispatch_key
+    assert has_key("test_guide_words::plain", "Autograd")  # why the key misleads
+    assert not guide.has_autograd("test_guide_words::plain")
+    assert guide.has_autograd("test_guide_words::with_backward")
+
+
+def test_the_guide_has_one_row_per_entry_of_its_rows(table):
+    assert list(table[0].index) == list(guide.ROWS)
+
+
+@pytest.mark.parametrize(
+    "situation", [s for s, (_, op) in guide.ROWS.items() if op is not None]
+)
+def test_the_guide_says_autograd_iff_the_operator_has_one(situation, table):
+    backend, operation = guide.ROWS[situation]
+    registered = guide.has_autograd(_operator(backend, operation))
+    assert guide.AUTOGRAD[(backend, operation)] == registered, (
+        f"guide.AUTOGRAD says {backend}'s {operation} operator "
+        f"{'has no' if registered else 'has an'} autograd formula; the dispatcher "
+        "says otherwise"
+    )
+    use = table[0].loc[situation, "use"]
+    assert ("autograd" in use) == registered, (
+        f"{situation!r}: the guide says {use!r}, but {backend}'s operator "
+        f"{'has' if registered else 'has no'} autograd formula"
+    )
+
+
+def test_the_brute_force_row_names_no_autograd_formula(table):
+    (situation,) = [s for s, (_, op) in guide.ROWS.items() if op is None]
+    assert "autograd" not in table[0].loc[situation, "use"]
+
+
+def test_the_guide_names_the_search_the_cuml_operator_runs(table):
+    schema = torch.ops.cuml.knn.default._schema
+    (algorithm,) = [a.default_value for a in schema.arguments if a.name == "algorithm"]
+    assert algorithm == cuml.DEFAULT_ALGORITHM == "rbc"
+    (situation,) = [s for s, (b, _) in guide.ROWS.items() if b == "cuml"]
+    assert guide.CUML_SEARCHES[algorithm] in table[0].loc[situation, "use"]
+    cells = [str(v) for v in table[0].to_numpy().ravel()] + list(
+        guide.GLOSSARY.values()
+    )
+    for cell in cells:
+        if "cuML" in cell:
+            assert "brute" not in cell, f"the guide calls cuML's search brute: {cell!r}"
+
+
+def test_at_least_claims_round_down_and_at_most_claims_round_up(table):
+    text = table[0].loc["kNN in a training loop, any cloud", "on real geometry"]
+    least = int(re.search(r"(\d+)× cuML or more", text).group(1))
+    assert least <= results.targets(table[1])["x cuml at 10⁶"].min()
+    most = float(re.search(r"at most ([\d.]+) ms", text).group(1))
+    assert most >= results.targets(table[1])["ms at 10⁶"].max()
+    assert guide._at_least(20.543) == "20" and guide._at_most(1.131, 2) == "1.14"
+    assert guide._at_most(1.32, 2) == "1.32"
+
+
+def test_no_cell_of_the_guide_names_the_books_cloud_as_its_own_worst(table):
+    cells = [str(v) for v in table[0].to_numpy().ravel()]
+    assert not [c for c in cells if "(normal)" in c]
+
+
+def _pages() -> list[Path]:
+    return [
+        ROOT / f"{f}{ext}"
+        for f in toc_files()
+        for ext in (".ipynb", ".md")
+        if (ROOT / f"{f}{ext}").exists()
+    ]
+
+
+@pytest.mark.parametrize("path", _pages(), ids=lambda p: p.name)
+def test_no_page_calls_cumls_search_a_brute_force(path):
+    if path.suffix == ".md":
+        texts = [path.read_text()]
+    else:
+        nb = nbformat.read(path, as_version=4)
+        texts = [c.source for c in nb.cells]
+    found = [
+        m.group(0)
+        for t in texts
+        for m in re.finditer(r"cuML's brute[- ]force[^.\n]*", t, re.I)
+    ]
+    assert not found, (
+        f"{path.name}: the book's cuML operator runs {cuml.DEFAULT_ALGORITHM!r}, not "
+        f"'brute': {found}"
+    )
