@@ -205,40 +205,9 @@ def test_the_chapters_quotes_read_the_tables_in_plain_python():
     assert cliff["grid_worst_x_cuml"] == pytest.approx(4.0)
 
 
-def test_radius_and_traits_quotes_say_none_when_no_cloud_or_method_qualifies():
+def test_traits_quotes_name_the_methods_that_wait_or_capture():
     from extkernels.experiments import geometry_report
 
-    radius = pd.DataFrame(
-        {"fused-radius / normal": [1.0, 1.5], "≤ 2× normal": [True, True]},
-        index=["normal", "clusters"],
-    )
-    q = geometry_report.radius_quotes(radius)
-    assert q == {
-        "radius_slow": "none",
-        "radius_worst": 1.5,
-        "radius_worst_cloud": "clusters",
-        "radius_goal_verdict": "The goal of no cloud above twice the book's cloud's "
-        "time holds on every cloud.",
-    }
-    pairs = pd.DataFrame({"pairs / normal": [1.0, 3.0]}, index=["normal", "clusters"])
-    q = geometry_report.radius_quotes(radius, pairs)
-    assert q["radius_worst_pairs"] == 3.0 and q["radius_per_pair_worst"] == 0.5
-    assert q["radius_per_pair_verdict"] == "no cloud costs more than the book's"
-    q = geometry_report.radius_quotes(radius, pairs.assign(**{"pairs / normal": 1.0}))
-    assert q["radius_per_pair_verdict"].endswith("on clusters")
-    slow = radius.assign(
-        **{"fused-radius / normal": [1.0, 2.5], "≤ 2× normal": [True, False]}
-    )
-    q = geometry_report.radius_quotes(slow)
-    assert q["radius_goal_verdict"].endswith("is missed on clusters.")
-    q = geometry_report.radius_quotes(
-        slow, pairs
-    )  # 2.5x the time for 3x the neighbours
-    assert q["radius_goal_verdict"].endswith(
-        "is missed on clusters by that work, not by a cliff."
-    )
-    q = geometry_report.radius_quotes(slow, pairs.assign(**{"pairs / normal": 1.0}))
-    assert q["radius_goal_verdict"].endswith("is missed on clusters.")
     props = pd.DataFrame(
         {"waits": [False, True, True], "captures": [True, False, False]},
         index=["fused", "cuml", "cuvs"],
@@ -279,23 +248,6 @@ def test_radius_pairs_count_the_neighbours_of_every_query():
     assert pairs.loc["panda", "most in one query"] == within.sum(1).max().item()
     share = 100 * within.any(1).double().mean().item()
     assert pairs.loc["panda", "queries with any (%)"] == pytest.approx(share)
-
-
-def test_radius_work_quotes_compare_the_time_above_the_floor_with_the_pairs():
-    from extkernels.experiments import geometry_report
-
-    pairs = pd.DataFrame({"pairs / normal": {"normal": 1.0, "panda": 2.0}})
-    on_clouds = pd.DataFrame(
-        {"forward ms": [0.11, 0.17], "train ms": [0.32, 0.41]},
-        index=pd.MultiIndex.from_tuples(
-            [("radius/fused+graphs", "normal"), ("radius/fused+graphs", "panda")],
-            names=["variant", "cloud"],
-        ),
-    )
-    q = geometry_report.radius_work_quotes(pairs, on_clouds, floor=(0.05, 0.23))
-    assert q["radius_pairs_ratio"] == 2.0
-    assert q["radius_above_floor_fwd_ratio"] == pytest.approx(0.12 / 0.06)
-    assert q["radius_above_floor_train_ratio"] == pytest.approx(0.18 / 0.09)
 
 
 def test_radius_against_warp_says_where_the_ranges_are_apart():

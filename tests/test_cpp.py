@@ -363,33 +363,6 @@ def test_the_build_summary_names_what_was_built(ops):
         assert table.loc["sources", "extension"] == "knn.cpp"
 
 
-def test_first_errors_keeps_the_first_line_and_says_when_nothing_was_raised(ops):
-    from extkernels.experiments import cuda_knn
-
-    q, r = _clouds("random", 20, 100)
-    bad = q.clone()
-    bad[0, 0] = math.nan
-
-    def other():
-        raise RuntimeError("not a refusal")
-
-    table = cuda_knn.first_errors(
-        {
-            "nan": lambda: ops[0].knn(bad, r, 3),
-            "double": lambda: ops[0].knn(q.double(), r, 3),
-            "fine": lambda: ops[0].knn(q, r, 3),
-        }
-    )
-    assert table.loc["nan", "error"].startswith(
-        "ValueError: p_query: expected finite coordinates"
-    )
-    assert table.loc["double", "error"].startswith("TypeError: p_query:")
-    assert table.loc["fine", "error"] == "no error"
-    assert "\n" not in "".join(table["error"])
-    with pytest.raises(RuntimeError, match="not a refusal"):
-        cuda_knn.first_errors({"other": other})
-
-
 def _table(ms: dict[str, tuple[float, float]], spread: float = 0.01):
     """A benchmark table (timing.timings_frame's columns) with forward and training
     medians ``ms[variant]`` and runs ``spread`` ms either side."""
@@ -410,7 +383,6 @@ def _table(ms: dict[str, tuple[float, float]], spread: float = 0.01):
 
 
 def test_chapter_9s_quotes_read_the_right_rows():
-    from extkernels import timing
     from extkernels.experiments import cuda_knn
 
     table = _table(
@@ -429,40 +401,6 @@ def test_chapter_9s_quotes_read_the_right_rows():
     assert quotes["compiled_vs_eager_forward"] == "faster than"
     assert quotes["compiled_vs_eager_train"] == "within the run-to-run spread of"
     assert quotes["triton_vs_cpp_ro_train"] == "slower than"  # 1.6 against 1.5
-    shares = timing.above_floor(
-        table,
-        {
-            "eager": ("knn/cpp", "knn/floor"),
-            "one CUDA graph": ("knn/cpp+graphs", "knn/floor+graphs"),
-        },
-    )
-    floor = cuda_knn.floor_quotes(shares, (0.30, 0.70))
-    assert floor["agg_graphs_training_ms"] == pytest.approx(0.20)
-    assert floor["floor_eager_forward_ms"] == 0.28
-    assert floor["floor_vs_forward_goal"] == "0.020 ms under the 0.30 ms goal"
-    assert floor["floor_vs_training_goal"] == "1.000 ms above the 0.70 ms goal"
-    goals = {"knn/cpp": (0.30, 0.70), "knn/cpp+graphs": (0.30, 0.50)}
-    pairs = {
-        "eager": ("knn/cpp", "knn/floor"),
-        "graphs": ("knn/cpp+graphs", "knn/floor+graphs"),
-    }
-    words = cuda_knn.goal_quotes(timing.against_goals(table, goals), table, pairs)
-    assert words["eager_goals"] == "misses both"
-    assert words["graphs_goals"] == "meets the forward goal and misses the training one"
-    # ranges are the medians +- 0.01: 0.50 and 0.28 lie apart, and so do 2.5 and 1.7
-    assert "lie apart" in words["spread_eager_forward"]
-    met = timing.against_goals(table, {"knn/cpp": (0.6, 0.7)})
-    assert cuda_knn.goal_quotes(met, table, pairs)["eager_goals"] == (
-        "meets the forward goal and misses the training one"
-    )
-    close = _table({"knn/cpp": (0.30, 1.0), "knn/floor": (0.295, 0.5)})
-    near = cuda_knn.goal_quotes(
-        timing.against_goals(close, {"knn/cpp": (0.30, 0.70)}),
-        close,
-        {"eager": ("knn/cpp", "knn/floor")},
-    )
-    assert "overlap" in near["spread_eager_forward"]
-    assert "lie apart" in near["spread_eager_training"]
 
 
 def test_chapter_9s_profile_quotes_count_what_they_name():
@@ -477,17 +415,6 @@ def test_chapter_9s_profile_quotes_count_what_they_name():
         "ro_graph_launches": 2.0,
         "ro_kernel_launches": 10.0,
     }
-    kernels = pd.DataFrame(
-        {
-            "name": ["aten::mm", "extkernels_cpp::knn", "aten::addmm"],
-            "time (ms)": [0.2, 0.1, 0.1],
-            "share (%)": [50.0, 25.0, 25.0],
-        }
-    )
-    quotes = cuda_knn.kernel_quotes(kernels, 0.25)
-    assert quotes == pytest.approx(
-        {"gpu_step_ms": 0.4, "gpu_busy_pct": 25.0, "mm_share_pct": 75.0}
-    )
     loads = pd.DataFrame(
         {"ms (do_bench)": [0.02, 0.01]},
         index=[

@@ -106,11 +106,15 @@ CHAPTERS = [p for p in PAGES if re.match(r"\d\d_", p.name)]
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
-def test_a_page_is_short(path):
-    n = words(path)
+def test_a_page_is_short_and_quotes_few_glued_numbers(path):
+    n, g = words(path), glued(path)
     assert n <= MAX_CHAPTER_WORDS, (
         f"{path.name}: {n} words of prose, at most {MAX_CHAPTER_WORDS}: tables carry "
-        "the numbers and move what was tried and lost to the design notes"
+        "the numbers; what was tried and lost goes to the design notes"
+    )
+    assert g <= MAX_GLUED, (
+        f"{path.name}: {g} glued values in its prose, at most {MAX_GLUED}: a sentence "
+        "with three glued numbers is a table waiting to happen"
     )
 
 
@@ -119,15 +123,6 @@ def test_the_book_is_short():
     total = sum(per_page.values())
     assert total <= MAX_BOOK_WORDS, (
         f"{total} words of prose in the book, at most {MAX_BOOK_WORDS}: {per_page}"
-    )
-
-
-@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
-def test_prose_quotes_few_glued_numbers(path):
-    n = glued(path)
-    assert n <= MAX_GLUED, (
-        f"{path.name}: {n} glued values in its prose, at most {MAX_GLUED}: a sentence "
-        "with three glued numbers is a table waiting to happen"
     )
 
 

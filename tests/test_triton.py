@@ -232,51 +232,6 @@ def test_listings_show_the_function_inside_a_triton_op():
 # ------------------------------------------------------- chapter 8's helpers
 
 
-def _timings(**train_ms):
-    import pandas as pd
-
-    from extkernels.experiments import triton_launch as tl
-
-    forward = {tl.CUML: 8.0, tl.EAGER: 0.6, tl.COMPILED: 0.5, tl.GRAPHS: 0.3}
-    train = {tl.CUML: 10.0, tl.EAGER: 2.3, tl.COMPILED: 2.2, tl.GRAPHS: 1.2}
-    train.update({getattr(tl, k): v for k, v in train_ms.items()})
-    table = pd.DataFrame({"forward_ms": forward, "train_ms": train})
-    table["train_min"], table["train_max"] = (
-        table.train_ms * 0.99,
-        table.train_ms * 1.01,
-    )
-    return table
-
-
-def test_targets_table_and_the_words_the_prose_quotes():
-    from extkernels.experiments import triton_launch as tl
-
-    table = _timings()
-    targets = tl.against_targets(table)
-    assert list(targets.index) == [tl.EAGER, tl.COMPILED, tl.GRAPHS]
-    assert list(targets["all met"]) == [False, False, True]
-    assert targets.loc[tl.GRAPHS, "× cuML training (≥ 8)"] == pytest.approx(10 / 1.2)
-    words = tl.targets_glue(table, targets)
-    assert words["ro_targets"] == "meets every target"
-    assert words["ro_vs_compiled"] == "faster than"
-    assert words["eager_train_target"] == words["compiled_train_target"] == "misses"
-    assert words["ro_gain_train"] == pytest.approx(2.2 / 1.2)
-    assert all(type(v) in (float, str) for v in words.values())  # glue-able
-    # 1.6 ms of training misses the 1.5 ms target, however fast the forward is
-    slow = _timings(GRAPHS=1.6)
-    words = tl.targets_glue(slow, tl.against_targets(slow))
-    assert words["ro_targets"] == "misses a target"
-    # 10 / 1.6 = 6.25x cuML: both training targets missed, both forward ones met
-    assert words["ro_train_targets"] == "misses both"
-    assert words["ro_fwd_targets"] == "meets both"
-    assert words["ro_train_max"] == pytest.approx(1.6 * 1.01)
-    # 1.4 ms meets the 1.5 ms target but is short of 8x (10 / 1.4 = 7.1)
-    one = _timings(GRAPHS=1.4)
-    assert tl.targets_glue(one, tl.against_targets(one))["ro_train_targets"] == (
-        "meets one of"
-    )
-
-
 def test_generated_lines_are_read_from_inductors_code():
     from extkernels.experiments.triton_launch import generated_lines
 

@@ -17,7 +17,6 @@ from ..timing import ranked
 __all__ = [
     "cliff_quotes",
     "mesh_quotes",
-    "radius_quotes",
     "radius_vs_warp_quotes",
     "traits_quotes",
     "tree_quotes",
@@ -62,49 +61,6 @@ def tree_quotes(times: pd.DataFrame, goals: pd.DataFrame) -> dict[str, float | s
         "normal_grid_ms": float(small["fused-grid"]),
         "tree_missed": _names(missed),
     }
-
-
-def radius_quotes(
-    radius: pd.DataFrame, pairs: pd.DataFrame | None = None
-) -> dict[str, float | str]:
-    """The radius walk's numbers in chapter 14 (``radius``:
-    :func:`~extkernels.experiments.geometry.radius_targets`): the clouds where it takes
-    more than twice its time on the book's cloud, and its slowest ratio and cloud. With
-    ``pairs`` (:func:`radius_pairs`, the same clouds), the work it cannot skip: the
-    slowest cloud's neighbours per query over the book's cloud's, and the largest time
-    ratio per neighbour ratio among the other clouds (below 1: a cloud's neighbours
-    cost less each than the book's cloud's), and that in words; and
-    ``radius_goal_verdict``, a sentence on the goal of no cloud above twice the book's
-    cloud's time (where it is missed on clouds whose neighbours cost no more each than
-    the book's cloud's, the work to be done misses it, not a cliff)."""
-    ratio = radius["fused-radius / normal"]
-    slow = radius.index[~radius["≤ 2× normal"]]
-    out = {
-        "radius_slow": _names(slow),
-        "radius_worst": float(ratio.max()),
-        "radius_worst_cloud": ratio.idxmax(),
-    }
-    goal = "goal of no cloud above twice the book's cloud's time"
-    missed = f"{goal} is missed on {_names(slow)}"
-    out["radius_goal_verdict"] = (
-        f"The {goal} holds on every cloud." if slow.empty else f"The {missed}."
-    )
-    if pairs is not None:
-        per_pair = (ratio / pairs["pairs / normal"]).drop("normal")
-        out["radius_worst_pairs"] = float(pairs.loc[ratio.idxmax(), "pairs / normal"])
-        out["radius_per_pair_worst"] = float(per_pair.max())
-        dearer = _names(per_pair.index[per_pair > 1])
-        out["radius_per_pair_verdict"] = (
-            "no cloud costs more than the book's"
-            if per_pair.max() <= 1
-            else f"the walk costs more than on the book's cloud on {dearer}"
-        )
-        if not slow.empty and (per_pair[slow] <= 1).all():
-            out["radius_goal_verdict"] = (
-                "A walk that visits every neighbour cannot take less time on a cloud "
-                f"with more of them: the {missed} by that work, not by a cliff."
-            )
-    return out
 
 
 def radius_vs_warp_quotes(times: pd.DataFrame, n: int = 25_000) -> dict[str, str]:
@@ -182,25 +138,6 @@ def radius_pairs(
     out["pairs / normal"] = (
         out["neighbours per query"] / out.loc["normal", "neighbours per query"]
     )
-    return out
-
-
-def radius_work_quotes(
-    pairs: pd.DataFrame, on_clouds: pd.DataFrame, floor: tuple[float, float]
-) -> dict[str, float]:
-    """The radius projector on the Panda mesh against the work it cannot skip: the
-    neighbours per query over the book's cloud's (``pairs``: :func:`radius_pairs`), and
-    the forward pass's and training step's time above the ``floor`` (its forward and
-    training ms in one graph: the model without aggregation) over the same on the book's
-    cloud (``on_clouds``: :func:`~extkernels.results.clouds_table`)."""
-    rows = on_clouds.xs("radius/fused+graphs")
-    out = {"radius_pairs_ratio": float(pairs.loc["panda", "pairs / normal"])}
-    for key, column, bound in [
-        ("fwd", "forward ms", floor[0]),
-        ("train", "train ms", floor[1]),
-    ]:
-        above = rows[column] - bound
-        out[f"radius_above_floor_{key}_ratio"] = float(above["panda"] / above["normal"])
     return out
 
 
