@@ -1,8 +1,11 @@
 """Backends as plug-ins (ops.registry), the entry points (ops.dispatch) and the
 validation contract (ops.checks): what holds for every backend, whatever it computes."""
 
+import functools
 import math
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -194,3 +197,69 @@ def test_grad_out_contract():
     ]:
         with pytest.raises(error, match="^grad_out:"):
             checks.check_grad_out(bad, p_query, feats)
+
+
+def test_value_checks_nest_and_come_back_after_an_exception():
+    with checks.value_checks(False):
+        with checks.value_checks(True):
+            assert checks.value_checks_on()
+        assert not checks.value_checks_on()
+        with pytest.raises(RuntimeError), checks.value_checks(True):
+            raise RuntimeError("inside")
+        assert not checks.value_checks_on()
+    assert checks.value_checks_on()
+
+
+def _nan_calls() -> list[tuple[str, Callable[[], object]]]:
+    """Every CPU backend's knn, knn_aggregate and radius_aggregate, with a NaN point."""
+    p_query, p_ref, feats = _inputs()
+    p_ref[5, 2] = math.nan
+    devices = {b.name: b.devices for b in registry.registered()}
+    calls = []
+    for op in registry.OPERATIONS:
+        for name in extkernels.backends(op):
+            if "cpu" not in devices[name]:
+                continue
+            args = {
+                "knn": (p_query, p_ref, 3),
+                "knn_aggregate": (p_query, p_ref, feats, 3, 0.1),
+                "radius_aggregate": (p_query, p_ref, feats, 0.5, 0.1),
+            }[op]
+            fn = getattr(extkernels, op)
+            call = functools.partial(fn, *args, backend=name)
+            calls.append((f"{name} {op}", call))
+    return calls
+
+
+def test_another_threads_switch_leaves_every_backends_checks_on():
+    calls = _nan_calls()
+    assert {c.split()[0] for c, _ in calls} >= {"torch", "cpp", "fused", "warp"}
+    for _, call in calls:  # built and warm before the race
+        with pytest.raises(ValueError, match="^p_ref: expected finite"):
+            call()
+    stop = threading.Event()
+
+    def toggler():
+        while not stop.is_set():
+            with checks.value_checks(False):
+                time.sleep(0)
+
+    other = threading.Thread(target=toggler)
+    other.start()
+    accepted = []
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            for name, call in calls:
+                try:
+                    call()
+                    accepted.append(name)
+                except ValueError:
+                    pass
+    finally:
+        stop.set()
+        other.join()
+    assert not accepted, (
+        f"NaN points accepted while another thread switched: {accepted}"
+    )
+    assert checks.value_checks_on()

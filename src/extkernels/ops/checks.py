@@ -21,8 +21,9 @@ check again; an operator called directly checks itself; a compiled caller gets t
 from the operator's real implementation, which runs eagerly inside the compiled graph.
 
 :func:`value_checks` switches the value checks off for a block of code (``with
-value_checks(False): ...``); the timing protocol does so after its warm-up, which ran
-with them on (chapter 7 measures what they cost).
+value_checks(False): ...``), on the calling thread only: another thread's calls keep
+their checks. The timing protocol does so after its warm-up, which ran with them on
+(chapter 7 measures what they cost).
 """
 
 from __future__ import annotations
@@ -58,34 +59,40 @@ __all__ = [
 
 T = TypeVar("T")
 
-# The reader's switch (process wide), and how deep this thread is inside call_checked.
-_enabled = {"values": True}
+# Per thread: the reader's switch (``values``, on unless this thread turned it off) and
+# how deep the thread is inside call_checked (``depth``).
 _local = threading.local()
 
 
-# Called with the new setting whenever value_checks changes it: operators that check
-# values in their own language (the C++ backend) keep their own switch in step.
+def _values_on() -> bool:
+    return getattr(_local, "values", True)
+
+
+# Called, on the switching thread, with the new setting whenever value_checks changes
+# it: operators that check values in their own language (the C++ backends, whose
+# switch is per thread too) keep that thread's switch in step.
 _listeners: list[Callable[[bool], object]] = []
 
 
 def on_value_checks(listener: Callable[[bool], object]) -> None:
     """Call ``listener(enabled)`` now and whenever :func:`value_checks` turns the checks
-    on or off."""
+    on or off, on the thread that does."""
     _listeners.append(listener)
-    listener(_enabled["values"])
+    listener(_values_on())
 
 
 def _set_values(enabled: bool) -> None:
-    _enabled["values"] = enabled
+    _local.values = enabled
     for listener in _listeners:
         listener(enabled)
 
 
 @contextmanager
 def value_checks(enabled: bool) -> Iterator[None]:
-    """Turn the checks of tensor values on or off inside a ``with`` block (every
-    backend)."""
-    previous = _enabled["values"]
+    """Turn the checks of tensor values on or off inside a ``with`` block, for every
+    backend, on the calling thread only; nested blocks and exceptions restore the
+    setting the block found."""
+    previous = _values_on()
     _set_values(bool(enabled))
     try:
         yield
@@ -94,8 +101,9 @@ def value_checks(enabled: bool) -> Iterator[None]:
 
 
 def value_checks_on() -> bool:
-    """The reader's switch: whether value checks are on (see :func:`value_checks`)."""
-    return _enabled["values"]
+    """The reader's switch on this thread: whether value checks are on (see
+    :func:`value_checks`)."""
+    return _values_on()
 
 
 def values_checked(t: torch.Tensor | None = None) -> bool:
@@ -105,7 +113,7 @@ def values_checked(t: torch.Tensor | None = None) -> bool:
     # is_compiling() first: while tracing, the switch is then never read, so a compiled
     # function does not guard on it (turning the checks off, as a CUDA graph's capture
     # does, must not recompile it).
-    if torch.compiler.is_compiling() or not _enabled["values"]:
+    if torch.compiler.is_compiling() or not _values_on():
         return False
     if getattr(_local, "depth", 0):
         return False
