@@ -240,6 +240,75 @@ def test_knn_with_k_equal_to_the_cloud(backend, device):
     np.testing.assert_allclose(d.cpu(), knn_reference(p_query, p_ref, 40)[0], atol=1e-6)
 
 
+# ---------------------------------------------------------------- determinism
+
+NOT_DETERMINISTIC = "does not have a deterministic implementation"
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` for one test (cuBLAS set up for
+    it, as PyTorch asks), the previous mode restored afterwards."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _forward_and_backward(op, backend, device):
+    """``op`` of ``backend`` on the clusters cloud (many neighbours shared by many
+    queries: atomic additions collide there): its outputs, and the features' gradient
+    for the aggregations."""
+    p_query, p_ref = _cloud("clusters")
+    grad_out = torch.randn(len(p_query), N_FEATS, generator=_generator(3))
+    q, r, g = _on(device, p_query, p_ref, grad_out)
+    if op == "knn":
+        return extkernels.knn(q, r, K, backend=backend)
+    f = smooth_feats(p_ref).to(device).requires_grad_(True)
+    if op == "knn_aggregate":
+        out = extkernels.knn_aggregate(q, r, f, K, SIGMA, backend=backend)
+    else:
+        out = extkernels.radius_aggregate(q, r, f, RADIUS, SIGMA, backend=backend)
+    out.backward(g)
+    return out.detach(), f.grad
+
+
+@pytest.mark.parametrize("op, backend, device", per_op(OPS))
+def test_deterministic_mode_repeats_every_bit_or_refuses(
+    op, backend, device, deterministic
+):
+    try:
+        first = _forward_and_backward(op, backend, device)
+    except RuntimeError as e:  # as PyTorch refuses its own kernels: name and flag
+        assert NOT_DETERMINISTIC in str(e), str(e)
+        assert "torch.use_deterministic_algorithms(True)" in str(e)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match=NOT_DETERMINISTIC):
+            _forward_and_backward(op, backend, device)
+        return
+    for _ in range(3):
+        again = _forward_and_backward(op, backend, device)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), (
+            f"{backend} {op} on {device}: a repeated call differs in deterministic mode"
+        )
+
+
+def test_the_alert_raises_warns_or_stays_quiet(deterministic):
+    from extkernels.ops.checks import alert_not_deterministic
+
+    with pytest.raises(RuntimeError, match=f"^toy::op {NOT_DETERMINISTIC}, but you"):
+        alert_not_deterministic("toy::op")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="toy::op .*'warn_only=True'"):
+        alert_not_deterministic("toy::op")
+    torch.use_deterministic_algorithms(False)
+    alert_not_deterministic("toy::op")  # nothing
+
+
 # ---------------------------------------------------------------- bad inputs
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -55,6 +56,7 @@ __all__ = [
     "value_checks",
     "on_value_checks",
     "value_checks_on",
+    "alert_not_deterministic",
 ]
 
 T = TypeVar("T")
@@ -331,3 +333,28 @@ def check_grad_out(
     check_contiguous("grad_out", grad_out)
     check_same_device(p_query=p_query, grad_out=grad_out)
     return grad_out
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def alert_not_deterministic(caller: str) -> None:
+    """What PyTorch does for its own kernels without a deterministic implementation,
+    for ``caller`` (the operator, and why: atomic additions): under
+    ``torch.use_deterministic_algorithms(True)`` a ``RuntimeError`` that names it and
+    the flag, with ``warn_only=True`` a ``UserWarning`` instead, and nothing otherwise.
+    Called by the CUDA implementations that add with atomics (their sums come out in a
+    different order on every run); the C++ ones call ATen's ``alertNotDeterministic``,
+    which says the same."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        f"{caller} does not have a deterministic implementation, but you set "
+        "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just "
+        "for this operation, or you can use the 'warn_only=True' option, if that's "
+        "acceptable for your application."
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=2)
+    else:
+        raise RuntimeError(message)

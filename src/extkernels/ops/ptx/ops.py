@@ -20,7 +20,12 @@ from __future__ import annotations
 import torch
 
 from ..capture import capturing
-from ..checks import check_contiguous, check_same_device, values_checked
+from ..checks import (
+    alert_not_deterministic,
+    check_contiguous,
+    check_same_device,
+    values_checked,
+)
 from . import kernels
 
 __all__ = [
@@ -142,9 +147,11 @@ def scatter(
 ) -> torch.Tensor:
     """The gather's adjoint: ``grad[indices[q, j]] += weights[q, j] * grad_out[q]``,
     ``(n_ref, F)`` float32, by atomic reductions into zeros (the order of the additions
-    varies from run to run: the result, by a few units in the last place)."""
+    varies from run to run: the result, by a few units in the last place; refused under
+    ``torch.use_deterministic_algorithms(True)``)."""
     check_neighbours(weights, indices, grad_out, n_ref, rows_name="grad_out")
     check_hopper(weights.device)
+    alert_not_deterministic("extkernels_ptx::scatter (atomic reductions of rows)")
     grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))
     kernels.scatter(weights, indices, grad_out, grad)  # adds into grad
     return grad

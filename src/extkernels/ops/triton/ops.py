@@ -17,7 +17,7 @@ import triton
 from torch.library import wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
-from ..checks import check_knn, check_knn_aggregate
+from ..checks import alert_not_deterministic, check_knn, check_knn_aggregate
 from ..torch.brute_force import knn as brute_force_knn
 from . import spatial
 from .kernels import (
@@ -223,6 +223,7 @@ def knn_aggregate_bwd_op(
         k = weights.shape[1]
         contributions = weights[:, :, None] * grad_out[:, None, :]
         return grad.index_add_(0, indices.reshape(-1), contributions.reshape(m * k, f))
+    alert_not_deterministic("triton_knn::knn_aggregate_bwd (atomic additions of rows)")
     wrap_triton(scatter_kernel)[(triton.cdiv(m, BLOCK_Q),)](
         grad_out,
         weights,

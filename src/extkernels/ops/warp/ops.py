@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_grad_out, check_radius_aggregate
+from ..checks import alert_not_deterministic, check_grad_out, check_radius_aggregate
 from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, Entry, entry_key
 from .interop import Where, descriptor, launch, where
@@ -231,6 +231,10 @@ def backward(
         p_query, p_ref, feats, radius, sigma, values=False
     )
     check_grad_out(grad_out, p_query, feats)
+    if p_ref.device.type == "cuda":  # Warp runs a CPU kernel's threads one by one
+        alert_not_deterministic(
+            f"warp::radius_aggregate ({kind} backward, atomic adds)"
+        )
     k = kernels()
     m, f = grad_out.shape
     at = where(p_ref.device)
