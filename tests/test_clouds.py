@@ -128,7 +128,9 @@ def test_the_timed_calls_skip_the_value_checks_after_a_checked_first_call(
 
     seen = []
     monkeypatch.setattr(
-        geometry, "_search", lambda method, w, k: lambda: seen.append(value_checks_on())
+        geometry,
+        "searcher",
+        lambda method, w, k: lambda: seen.append(value_checks_on()),
     )
     rows = geometry.time_method("fused", ["normal"], [200], side=3)
     assert seen[0] is True, "the first call runs every check"
@@ -140,9 +142,9 @@ def test_the_timed_calls_skip_the_value_checks_after_a_checked_first_call(
 def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
     path = str(tmp_path / "geometry.json")
     old = [{"method": "fused", "ms": 1.0}, {"method": "cuml", "ms": 20.0}]
-    geometry._merge_into(path, {"meta": {"date": "day 1"}, "runs": old, "checks": old})
+    geometry.merge_into(path, {"meta": {"date": "day 1"}, "runs": old, "checks": old})
     new = [{"method": "fused", "ms": 0.5}]
-    geometry._merge_into(path, {"meta": {"date": "day 2"}, "runs": new, "checks": new})
+    geometry.merge_into(path, {"meta": {"date": "day 2"}, "runs": new, "checks": new})
     data = json.loads((tmp_path / "geometry.json").read_text())
     assert data["meta"]["date"] == "day 1, day 2"  # cuml's rows are day 1's
     for key in ("runs", "checks"):
@@ -173,7 +175,7 @@ def test_radius_targets_compare_each_cloud_with_the_books():
 
 def test_the_radius_method_aggregates_like_the_backend():
     w = clouds.workload("outlier", 500, side=4)
-    got = geometry._search("fused-radius", w, 7)()
+    got = geometry.searcher("fused-radius", w, 7)()
     feats = torch.randn(500, 25, generator=torch.Generator().manual_seed(0))
     want = extkernels.radius_aggregate(w.p_query, w.p_ref, feats, 0.1, 0.1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

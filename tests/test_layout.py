@@ -3,6 +3,8 @@ modules, and docstrings that name chapters which exist."""
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,16 +22,23 @@ EXPERIMENTS = (
     "extkernels.experiments",
     "extkernels.distributed.report",  # chapter 13's tables, from chapter 12's crossover
 )
-#: Imports inside functions, each for a reason: the module imports an optional library.
-LAZY = {
-    ("extkernels.ops.warp.ops", "extkernels.ops.warp.kernels"): "imports Warp",
-    ("extkernels.ops.triton", "extkernels.ops.triton.ops"): "Triton is optional",
-    ("extkernels.ops.cpp", "extkernels.ops.cpp.ops"): "importing builds the C++ code",
-    (
-        "extkernels.ops.fused",
-        "extkernels.ops.fused.ops",
-    ): "importing builds the C++ code",
-}
+#: Imports inside functions, each for a reason. Beside these, a backend may import its
+#: own modules inside functions (see :func:`_inside_one_backend`): it defers its heavy
+#: parts, an optional library or a build, to first use.
+LAZY: dict[tuple[str, str], str] = {}
+#: Optional libraries that importing the package must not import, and modules of the
+#: backends that build or load compiled code on import (their backends defer them to
+#: first use): what the lazy imports above are for.
+DEFERRED = (
+    "warp",
+    "cuml",
+    "cupy",
+    "rmm",
+    "cuvs",
+    "extkernels.ops.warp.kernels",
+    "extkernels.ops.cpp.ops",
+    "extkernels.ops.fused.ops",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -90,6 +99,25 @@ def _imports(module: str) -> list[tuple[str, bool]]:
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
+#: The backends' folders: every subpackage of ``extkernels.ops``.
+BACKENDS = sorted(
+    m
+    for m, path in MODULES.items()
+    if m.startswith("extkernels.ops.")
+    and m.count(".") == 2
+    and path.name == "__init__.py"
+)
+
+
+def _backend_of(module: str) -> str | None:
+    """The backend folder ``module`` lies in, or ``None``."""
+    return next(
+        (b for b in BACKENDS if module == b or module.startswith(b + ".")), None
+    )
+
+
+def _inside_one_backend(module: str, dep: str) -> bool:
+    return _backend_of(module) is not None and _backend_of(module) == _backend_of(dep)
 
 
 def _is_experiment(module: str) -> bool:
@@ -122,8 +150,51 @@ def test_library_layers_do_not_import_experiments(module):
 
 @pytest.mark.parametrize("module", list(MODULES))
 def test_imports_of_the_package_sit_at_the_top_of_modules(module):
-    hidden = [dep for dep, lazy in GRAPH[module] if lazy and (module, dep) not in LAZY]
+    hidden = [
+        dep
+        for dep, lazy in GRAPH[module]
+        if lazy and (module, dep) not in LAZY and not _inside_one_backend(module, dep)
+    ]
     assert not hidden, f"{module} imports {hidden} inside a function"
+
+
+def test_every_folder_of_ops_is_a_backend_registered_under_its_name():
+    import importlib
+
+    from extkernels.ops import registry
+
+    assert BACKENDS, "no backend folder found"
+    for module in BACKENDS:
+        folder = module.rsplit(".", 1)[1]
+        backend = getattr(importlib.import_module(module), "BACKEND", None)
+        assert isinstance(backend, registry.Backend), (
+            f"{module}: a folder of ops/ is a backend; its __init__ registers one as "
+            "BACKEND"
+        )
+        assert backend.name == folder, (
+            f"{module}: registers {backend.name!r}; a backend is named like its folder "
+            "(the guide counts its lines there)"
+        )
+        assert registry.get(folder) is backend
+
+
+def test_no_module_names_a_backend_to_register_it():
+    # extkernels.ops finds the backends' folders itself: adding one edits no other file.
+    named = [dep for dep, _ in GRAPH["extkernels.ops"] if _backend_of(dep)]
+    assert not named, f"extkernels.ops imports {named}: it should find them"
+
+
+@pytest.mark.slow
+def test_importing_the_package_defers_what_its_backends_defer():
+    code = (
+        "import sys, extkernels; "
+        f"print([m for m in {list(DEFERRED)!r} if m in sys.modules])"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "[]", (
+        f"imported by `import extkernels`: {child.stdout}"
+    )
 
 
 @pytest.mark.parametrize("module", list(MODULES))

@@ -263,3 +263,66 @@ def test_another_threads_switch_leaves_every_backends_checks_on():
         f"NaN points accepted while another thread switched: {accepted}"
     )
     assert checks.value_checks_on()
+
+
+# ---------------------------------------------------------------- what a record carries
+
+
+def test_every_backend_states_its_toolchain():
+    from extkernels import guide
+
+    for b in registry.registered():
+        assert b.toolchain, f"{b.name}: Backend(toolchain=...) is empty"
+        assert guide.toolchain(b.name) == b.toolchain
+
+
+def test_the_guide_prints_each_toolchain_as_the_results_page_shows_it():
+    from pathlib import Path
+
+    from extkernels import guide
+
+    page = (Path(__file__).resolve().parents[1] / "book" / "results.ipynb").read_text()
+    for backend in {b for b, _ in guide.ROWS.values()}:
+        assert registry.get(backend).toolchain in page, backend
+
+
+def test_a_backend_without_a_toolchain_is_named_by_the_guide(scratch_registry):
+    from extkernels import guide
+
+    registry.register(registry.Backend("bare", devices=("cpu",), knn=brute_force.knn))
+    with pytest.raises(ValueError, match="^backend: 'bare' registers no toolchain"):
+        guide.toolchain("bare")
+    with pytest.raises(ValueError, match="^name: expected one of"):
+        guide.toolchain("no-such-backend")
+
+
+def test_every_backend_is_benchmarked_or_says_why_not():
+    from extkernels.variants import FLOOR, VARIANTS
+
+    measured = {v.backend for v in VARIANTS}
+    for b in registry.registered():
+        if b.not_benchmarked is None:
+            assert b.name in measured, (
+                f"{b.name}: no variant in extkernels.variants.VARIANTS; add one, or "
+                "say why not (Backend(not_benchmarked=...))"
+            )
+        else:
+            assert b.name not in measured, (
+                f"{b.name}: has variants, yet says it is not benchmarked"
+            )
+    names = {b.name for b in registry.registered()} | {FLOOR}
+    assert measured <= names, f"variants of no backend: {measured - names}"
+
+
+def test_a_scratch_registry_keeps_its_backends_to_itself():
+    before = [b.name for b in registry.registered()]
+    mine = registry.Backend("mine", devices=("cpu",), knn=brute_force.knn)
+    with registry.scratch(mine, alone=True):
+        assert [b.name for b in registry.registered()] == ["mine"]
+        assert registry.get("mine") is mine
+    with registry.scratch(mine):
+        assert [b.name for b in registry.registered()] == [*before, "mine"]
+        registry.register(registry.Backend("other", knn=brute_force.knn))
+    assert [b.name for b in registry.registered()] == before
+    with pytest.raises(ValueError, match="^name: expected one of"):
+        registry.get("mine")

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 
 from . import results
+from .ops import registry
 from .ops.cuml import DEFAULT_ALGORITHM as CUML_ALGORITHM
 
 __all__ = [
@@ -20,24 +21,13 @@ __all__ = [
     "CUML_SEARCHES",
     "GLOSSARY",
     "ROWS",
-    "TOOLCHAIN",
     "guide",
     "has_autograd",
     "source_lines",
+    "toolchain",
 ]
 
 _OPS = Path(__file__).parent / "ops"
-
-#: What each backend needs on the reader's machine beyond PyTorch.
-TOOLCHAIN = {
-    "torch": "PyTorch only",
-    "triton": "PyTorch only (Triton ships with it)",
-    "cpp": "nvcc and a C++ compiler; compiled once per machine",
-    "fused": "nvcc and a C++ compiler; compiled once per machine",
-    "ptx": "pyptx",
-    "warp": "the warp-lang wheel",
-    "cuml": "the RAPIDS wheels (cuML, RMM, CuPy)",
-}
 
 #: Each row of the guide: the backend it recommends and the operation whose custom
 #: operator the row describes (``None``: plain PyTorch, no operator of its own).
@@ -96,6 +86,17 @@ GLOSSARY = {
     "@panda, @spitfire, @outlier": "the reference cloud sampled on a CAD mesh or "
     "with a far outlier (chapter 14); without it, the book's cloud",
 }
+
+
+def toolchain(backend: str) -> str:
+    """What a backend needs on the reader's machine beyond PyTorch, as its registration
+    says (``Backend.toolchain``)."""
+    words = registry.get(backend).toolchain
+    if not words:
+        raise ValueError(
+            f"backend: {backend!r} registers no toolchain (Backend(toolchain=...))"
+        )
+    return words
 
 
 def source_lines(backend: str) -> int:
@@ -158,7 +159,7 @@ def _cost(bench: pd.DataFrame, variant: str, backend: str) -> str:
         if first is None or first != first
         else f"; first call of a new process {first:.1f} s"
     )
-    return f"{source_lines(backend):,} lines; {TOOLCHAIN[backend]}{when}"
+    return f"{source_lines(backend):,} lines; {toolchain(backend)}{when}"
 
 
 def _train(bench: pd.DataFrame, variant: str) -> str:

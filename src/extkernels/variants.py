@@ -5,7 +5,9 @@ A :class:`Variant` says which workload (``knn`` or ``radius``), which backend an
 whether it is compiled; :meth:`Variant.build` makes the model and data at a
 :class:`~extkernels.Problem`'s sizes and :func:`run` times it by the book's protocol.
 Chapters add variants as they add backends; a variant whose backend cannot run on this
-machine is listed but skipped.
+machine is listed but skipped. A registered backend without a variant here says why in
+its registration (``Backend.not_benchmarked``); ``tests/test_registry.py`` holds every
+backend to one or the other.
 """
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ __all__ = [
     "check",
     "load",
     "main",
+    "merge_into",
     "radius_targets",
+    "searcher",
     "table",
     "targets",
     "time_method",
@@ -108,7 +110,10 @@ LIBRARIES = {"cuvs": _cuvs, "cupy-knn": _cupy_knn}
 RADIUS = {"fused-radius": "fused", "warp-radius": "warp"}
 
 
-def _search(method: str, w: clouds.Workload, k: int):
+def searcher(method: str, w: clouds.Workload, k: int):
+    """The call that runs ``method`` (a key of :data:`METHODS`, :data:`LIBRARIES` or
+    :data:`RADIUS`) once on workload ``w``: a function of no argument, which returns
+    the search's ``(distances, rows)`` (a radius method's aggregation)."""
     if method in LIBRARIES:
         return LIBRARIES[method](w, k)
     if method in RADIUS:
@@ -130,7 +135,7 @@ def check(method: str, geometries, sizes, *, k: int = 7, side: int = 30) -> list
     for name in geometries:
         for n in sizes:
             w = clouds.workload(name, n, side=side, device=device)
-            d, i = _search(method, w, k)()
+            d, i = searcher(method, w, k)()
             ref_d, _ = reference.knn_reference(w.p_query, w.p_ref, k)
             extent = float((w.p_ref.amax(0) - w.p_ref.amin(0)).max())
             err = float(abs(d.double().cpu().numpy() - ref_d).max())
@@ -170,7 +175,7 @@ def time_method(
     for name in geometries:
         for n in sizes:
             w = clouds.workload(name, n, side=side, device=device)
-            fn = _search(method, w, k)
+            fn = searcher(method, w, k)
             once = time_fn(fn, 1)  # with every input check, as a first call runs
             n_iters = max(1, min(10, int(budget_ms / max(once, 1e-3))))
             with value_checks(False):  # timed as in every chapter (timing module)
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001  (a library that fails here)
                 print(f"skip {m}: {type(e).__name__}: {e}", flush=True)
         print(pd.DataFrame(rows).to_string())
-        _merge_into(args.out, {"checks": rows})
+        merge_into(args.out, {"checks": rows})
         return 0
     rows = bench(methods, geometries, sizes, repeats=args.repeats, side=args.side)
     with pd.option_context(
@@ -321,11 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         "n_query": args.side**3,
         "versions": versions()["version"].to_dict(),
     }
-    _merge_into(args.out, {"meta": meta, "runs": rows})
+    merge_into(args.out, {"meta": meta, "runs": rows})
     return 0
 
 
-def _merge_into(path: str, parts: dict) -> None:
+def merge_into(path: str, parts: dict) -> None:
     """Adds ``parts`` to the JSON at ``path`` (runs, checks and traits are appended; a
     method timed or checked again replaces its earlier rows; the meta's date lists
     every call's), so that several calls build one file."""

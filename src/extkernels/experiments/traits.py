@@ -90,7 +90,7 @@ def probe(method: str, n: int = 10_000) -> dict:
     book's value checks off, as inside a captured training step: with them on, every
     entry point of the book waits once per call, for its check of finite points."""
     w = clouds.workload("normal", n, side=20, device="cuda")
-    search = geometry._search(method, w, 7)
+    search = geometry.searcher(method, w, 7)
     with value_checks(False):
         return {
             "method": method,
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for m in args.methods.split(",") if (r := _in_process(m)) is not None]
     for r in rows:
         print(f"{r['method']:12s} waits {r['waits']!s:6s} captures {r['captures']}")
-    geometry._merge_into(args.out, {"traits": rows})
+    geometry.merge_into(args.out, {"traits": rows})
     return 0
 
 

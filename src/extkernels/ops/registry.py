@@ -7,7 +7,14 @@ only its search: ``knn_aggregate`` is then derived from it (the search under
 ``no_grad``, then :func:`~extkernels.ops.gather.softmax_gather`), so every kNN backend
 is a projector at once. ``operators`` names the backend's custom operators that take an
 operation's arguments, so that the conformance suite (``tests/test_backends.py``) runs
-``opcheck`` on them: a new backend gets the suite by registering.
+``opcheck`` on them: a new backend gets the suite by registering. The record also
+carries what the book says of the backend elsewhere: the ``toolchain`` a reader needs
+beside PyTorch (the guide of chapter 12 prints it), and either its variants in the
+benchmark (``extkernels.variants``) or why it has none (``not_benchmarked``).
+
+A backend is one folder, ``ops/<backend>/``, whose ``__init__`` registers it:
+``extkernels.ops`` imports every such folder it finds, so that adding a backend edits no
+other file.
 
 Compiled extensions (a CUDA C++ backend) keep their sources inside their backend's
 folder (``ops/<backend>/csrc/``) and are built just in time, on first use, into
@@ -18,7 +25,8 @@ every machine builds for its own GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +39,8 @@ __all__ = [
     "Backend",
     "register",
     "registered",
+    "get",
+    "scratch",
     "backends",
     "lookup",
 ]
@@ -83,6 +93,11 @@ class Backend:
         chapter: the chapter that teaches it.
         prepare: makes its custom operators exist (a just-in-time build of compiled
             ones); called before :meth:`operator` looks one up.
+        toolchain: what a reader needs on their machine beyond PyTorch to run it, as
+            the guide prints it (``"PyTorch only"``, ``"the warp-lang wheel"``...).
+        not_benchmarked: why the benchmark has no variant of it; ``None`` (the
+            default) when it has, in :data:`extkernels.variants.VARIANTS` (a test
+            holds every registered backend to one or the other).
     """
 
     name: str
@@ -94,6 +109,8 @@ class Backend:
     operators: Mapping[str, str] = field(default_factory=dict)
     chapter: int = 1
     prepare: Callable[[], object] = _always
+    toolchain: str = ""
+    not_benchmarked: str | None = None
 
     def __post_init__(self) -> None:
         if self.knn is not None and self.knn_aggregate is None:
@@ -142,6 +159,29 @@ def registered() -> list[Backend]:
     """Every registered backend, whether or not it can run here (for the conformance
     suite)."""
     return list(_BACKENDS.values())
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name``, whether or not it can run here."""
+    if name not in _BACKENDS:
+        raise ValueError(f"name: expected one of {sorted(_BACKENDS)}, got {name!r}")
+    return _BACKENDS[name]
+
+
+@contextlib.contextmanager
+def scratch(*added: Backend, alone: bool = False) -> Iterator[None]:
+    """A registry of the block's own: ``added`` are registered on entry and, with
+    whatever the block registers, gone after it; ``alone=True`` also hides every other
+    backend meanwhile (a test collects the conformance suite for its own backend so)."""
+    global _BACKENDS
+    before = _BACKENDS
+    _BACKENDS = {} if alone else dict(before)
+    try:
+        for b in added:
+            register(b)
+        yield
+    finally:
+        _BACKENDS = before
 
 
 def backends(op_name: str) -> list[str]:

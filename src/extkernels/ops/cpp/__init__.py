@@ -75,6 +75,7 @@ BACKEND = register(
             "knn_aggregate": "extkernels_cpp::knn_aggregate_fwd",
         },
         chapter=9,
+        toolchain="nvcc and a C++ compiler; compiled once per machine",
         prepare=prepare,
     )
 )

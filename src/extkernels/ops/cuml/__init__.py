@@ -65,5 +65,6 @@ BACKEND = register(
         knn=knn,
         operators={"knn": "cuml::knn"},
         chapter=3,
+        toolchain="the RAPIDS wheels (cuML, RMM, CuPy)",
     )
 )

@@ -31,7 +31,13 @@ def _knn_aggregate(p_query, p_ref, feats, k, sigma):
 
 
 BACKEND = register(
-    Backend("ptx", available=available, knn_aggregate=_knn_aggregate, chapter=10)
+    Backend(
+        "ptx",
+        available=available,
+        knn_aggregate=_knn_aggregate,
+        chapter=10,
+        toolchain="pyptx",
+    )
 )
 
 if available():

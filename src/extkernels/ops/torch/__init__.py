@@ -12,5 +12,11 @@ from .brute_force import knn, radius_aggregate
 __all__ = ["BACKEND", "knn", "radius_aggregate"]
 
 BACKEND = register(
-    Backend("torch", knn=knn, radius_aggregate=radius_aggregate, chapter=1)
+    Backend(
+        "torch",
+        knn=knn,
+        radius_aggregate=radius_aggregate,
+        chapter=1,
+        toolchain="PyTorch only",
+    )
 )

@@ -46,6 +46,7 @@ BACKEND = register(
             "knn_aggregate": "triton_knn::knn_aggregate_fwd",
         },
         chapter=8,
+        toolchain="PyTorch only (Triton ships with it)",
     )
 )
 

@@ -116,5 +116,6 @@ BACKEND = register(
         radius_aggregate=radius_aggregate,
         operators={"radius_aggregate": "warp::radius_aggregate"},
         chapter=5,
+        toolchain="the warp-lang wheel",
     )
 )
