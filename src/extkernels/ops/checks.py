@@ -12,7 +12,9 @@ Checks of tensor *metadata* (dtype, shape, device, layout) are free and always r
 while ``torch.compile`` traces and inside fake implementations, so a compiled caller
 fails at trace time exactly where an eager one fails at run time. The one exception is
 the layout inside a fake (:func:`check_contiguous`): strides inside a compiled graph are
-the compiler's, and the kernel checks the ones it is given. Checks of tensor
+the compiler's, and the kernel checks the ones it is given. A backend whose kernels
+index a size with 32-bit integers refuses larger ones by :func:`check_index_limit`
+(metadata too), with its limit defined beside its kernels. Checks of tensor
 *values* (finite coordinates) need the values on the host: a device synchronisation and,
 while tracing, a graph break. They therefore run in eager mode only, once per call: both
 clouds in one synchronisation, by whoever is called first. An entry point checks, then
@@ -51,6 +53,7 @@ __all__ = [
     "check_same_device",
     "check_contiguous",
     "check_finite",
+    "check_index_limit",
     "call_checked",
     "values_checked",
     "value_checks",
@@ -246,6 +249,17 @@ def check_finite(values: bool | None = None, **clouds: torch.Tensor) -> None:
             raise ValueError(
                 f"{name}: expected finite coordinates, found NaN or infinity"
             )
+
+
+def check_index_limit(name: str, what: str, size, limit: int, why: str) -> None:
+    """A size that a backend's kernels index with fixed-width integers: ``size`` (a
+    count, or a product of counts such as queries × features) at most ``limit``, the
+    backend's own constant, defined beside its kernels; ``why`` names the arithmetic
+    it protects. Raises ``ValueError`` naming the argument ``name``. Shapes only, so it
+    runs in fakes too: under ``torch.compile`` with dynamic shapes ``size`` is a
+    ``SymInt``, and the comparison guards the compiled graph on it."""
+    if size > limit:
+        raise ValueError(f"{name}: expected at most {limit} {what} ({why}), got {size}")
 
 
 # ---------------------------------------------------------------- one call at a time

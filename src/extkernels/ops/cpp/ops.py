@@ -11,13 +11,14 @@ the ``set_value_checks`` operator.
 import torch
 
 from .. import checks
-from ..checks import check_knn, check_knn_aggregate
+from ..checks import check_index_limit, check_knn, check_knn_aggregate
 from . import build
 
 __all__ = [
     "FEATS_DTYPES",
     "MAX_K",
     "MAX_POINTS",
+    "check_max_points",
     "knn",
     "knn_aggregate",
     "gather",
@@ -38,6 +39,18 @@ checks.on_value_checks(_ops.set_value_checks)
 MAX_K, MAX_POINTS = (int(v) for v in _ops.limits())
 
 
+def check_max_points(p_ref) -> None:
+    """At most :data:`MAX_POINTS` reference points, as the C++ kernels ask (checks.h):
+    the same message, from the fakes."""
+    check_index_limit(
+        "p_ref",
+        "points",
+        p_ref.shape[0],
+        MAX_POINTS,
+        "the kernels index cells and points with 32-bit integers",
+    )
+
+
 def check_max_k(k: int) -> int:
     if k > MAX_K:
         raise ValueError(
@@ -49,7 +62,9 @@ def check_max_k(k: int) -> int:
 
 @torch.library.register_fake("extkernels_cpp::knn")
 def knn_fake(p_query, p_ref, k):
-    k = check_max_k(check_knn(p_query, p_ref, k, values=False))
+    k = check_knn(p_query, p_ref, k, values=False)
+    check_max_points(p_ref)
+    k = check_max_k(k)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
@@ -62,6 +77,7 @@ def knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
     k, _ = check_knn_aggregate(
         p_query, p_ref, feats, k, sigma, values=False, feats_dtypes=FEATS_DTYPES
     )
+    check_max_points(p_ref)
     check_max_k(k)
     m = p_query.shape[0]
     return (

@@ -60,7 +60,17 @@ def _call(name, *args):
     )
 
 
+def _check_queries(op: str, p_query) -> None:
+    """The kernels' limit on the queries (:func:`~.ops.check_queries`), which the C++
+    operators do not check themselves: their fakes and these entry points do."""
+    prepare()
+    from .ops import check_queries
+
+    check_queries(op, p_query)
+
+
 def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES, index: str = DEFAULT_INDEX):
+    _check_queries("knn", p_query)
     return _call("knn", p_query, p_ref, k, lanes, index)
 
 
@@ -74,6 +84,7 @@ def _knn_aggregate(
     lanes: int = DEFAULT_LANES,
     index: str = DEFAULT_INDEX,
 ):
+    _check_queries("knn_aggregate", p_query)
     return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes, index)[0]
 
 
@@ -90,6 +101,7 @@ def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:
 
 
 def _radius_aggregate(p_query, p_ref, feats, radius, sigma, *, warp: bool = True):
+    _check_queries("radius_aggregate", p_query)
     return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp)[0]
 
 
@@ -101,6 +113,7 @@ def radius_aggregate_with_totals(
     total`` is the unnormalised sum, which shards of a cloud add up (chapter 13).
     Differentiable in ``feats``; the totals carry no gradient."""
     radius, sigma = checks.check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    _check_queries("radius_aggregate", p_query)
     out, totals, *_ = checks.call_checked(
         _call, "radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp
     )
@@ -120,6 +133,7 @@ BACKEND = register(
             "radius_aggregate": "extkernels_fused::radius_aggregate_fwd",
         },
         chapter=11,
+        toolchain=cpp.BACKEND.toolchain,  # chapter 9's
         prepare=prepare,
     )
 )

@@ -12,12 +12,18 @@ walks the same grid without building it again.
 import torch
 
 from .. import checks
-from ..checks import check_knn, check_radius_aggregate
+from ..checks import check_index_limit, check_knn, check_radius_aggregate
 from ..cpp import ops as cpp_ops
 from . import build
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
-__all__ = ["GRID_PARAMS_BYTES", "cell_capacity"]
+__all__ = [
+    "GRID_PARAMS_BYTES",
+    "MAX_QUERIES",
+    "MAX_RADIUS_QUERIES",
+    "cell_capacity",
+    "check_queries",
+]
 
 build.load()
 
@@ -31,6 +37,32 @@ checks.on_value_checks(_ops.set_value_checks)
 def cell_capacity(n: int) -> int:
     """Cells of the grid's workspace for a cloud of ``n`` points (``grid.h``)."""
     return max(8 * n, 1)
+
+
+#: The most queries of the kNN operators: the tree search hands its long queries to a
+#: second kernel in a list of ``int32_t`` rows (``heavy``, ``tree_cuda.cu``); one limit
+#: for either index. (The reference cloud's is chapter 9's ``MAX_POINTS``, read from
+#: the library.)
+MAX_QUERIES = torch.iinfo(torch.int32).max
+#: The most queries of the radius aggregation: its dense queries' lists hold ``int32_t``
+#: rows too, and the kernel that works through them (``radius_dense_fwd_kernel``,
+#: ``fused_cuda.cu``) steps an ``int`` through a list by a grid's width of teams, some
+#: thousands: the step past a list of nearly 2^31 rows would wrap. Half leaves room.
+MAX_RADIUS_QUERIES = 2**30
+
+
+def check_queries(op: str, p_query) -> None:
+    """At most :data:`MAX_QUERIES` queries (``op`` ``"knn"`` or ``"knn_aggregate"``) or
+    :data:`MAX_RADIUS_QUERIES` (``"radius_aggregate"``): run by the fakes and, as the
+    C++ kernels do not check it, by the backend's entry points."""
+    if op == "radius_aggregate":
+        limit = MAX_RADIUS_QUERIES
+        why = "the fused radius kernels list query rows, and step through the lists, "
+        why += "with 32-bit integers"
+    else:
+        limit = MAX_QUERIES
+        why = "the fused tree search lists query rows as 32-bit integers"
+    check_index_limit("p_query", "queries", p_query.shape[0], limit, why)
 
 
 def _check_index(index: str) -> str:
@@ -49,7 +81,10 @@ def _check_lanes(lanes: int) -> int:
 
 @torch.library.register_fake("extkernels_fused::knn")
 def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
-    k = cpp_ops.check_max_k(check_knn(p_query, p_ref, k, values=False))
+    k = check_knn(p_query, p_ref, k, values=False)
+    cpp_ops.check_max_points(p_ref)
+    k = cpp_ops.check_max_k(k)
+    check_queries("knn", p_query)
     _check_lanes(lanes)
     _check_index(index)
     m = p_query.shape[0]
@@ -62,12 +97,15 @@ def _knn_aggregate_fwd_fake(
 ):
     _check_lanes(lanes)
     _check_index(index)
-    return cpp_ops.knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
+    out = cpp_ops.knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
+    check_queries("knn_aggregate", p_query)
+    return out
 
 
 @torch.library.register_fake("extkernels_fused::knn_work")
 def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
     check_knn(p_query, p_ref, k, values=False)
+    cpp_ops.check_max_points(p_ref)
     _check_index(index)
     return p_query.new_empty((p_query.shape[0], 2), dtype=torch.int64)
 
@@ -87,6 +125,8 @@ def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma, warp=True):
         values=False,
         feats_dtypes=cpp_ops.FEATS_DTYPES,
     )
+    cpp_ops.check_max_points(p_ref)
+    check_queries("radius_aggregate", p_query)
     m, n = p_query.shape[0], p_ref.shape[0]
     return (
         feats.new_empty((m, feats.shape[1])),

@@ -21,12 +21,26 @@ from __future__ import annotations
 from pyptx import Tile, kernel, ptx, reg
 from pyptx.types import f32, pred, s64, u32, u64
 
-__all__ = ["ARCH", "BLOCK", "gather", "scatter", "vec_width", "neighbour_label"]
+__all__ = [
+    "ARCH",
+    "BLOCK",
+    "MAX_THREADS",
+    "gather",
+    "scatter",
+    "vec_width",
+    "neighbour_label",
+]
 
 #: The target: Hopper's full feature set (``sm_90a``).
 ARCH = "sm_90a"
 #: Threads per block.
 BLOCK = 256
+#: The most threads, ``M * F / vec_width(F)``, the kernels take: a thread's index and
+#: the row of ``out`` or ``grad_out`` it reads or writes (``q * F / vec + c``) are
+#: ``u32`` registers (``mad.lo.u32`` in :func:`_query_and_chunk` and the kernels), and
+#: the count of threads is a ``u32`` immediate. The operators refuse more
+#: (``ops.check_neighbours``).
+MAX_THREADS = 2**32 - 1
 
 
 def vec_width(n_feats: int) -> int:

@@ -23,6 +23,7 @@ from ..capture import capturing
 from ..checks import (
     alert_not_deterministic,
     check_contiguous,
+    check_index_limit,
     check_same_device,
     values_checked,
 )
@@ -57,6 +58,22 @@ def _check_matrix(name: str, t: object, dtype: torch.dtype, what: str) -> None:
     check_contiguous(name, t)
 
 
+def _check_threads(name: str, m, f) -> None:
+    """A thread per query and vector of features, ``M * F / vec_width(F)`` of them, at
+    most :data:`~.kernels.MAX_THREADS` (its index and its row are 32-bit)."""
+    threads = m * f
+    if threads > kernels.MAX_THREADS:  # (only then is the vectors' width needed)
+        threads = m * (f // kernels.vec_width(f))
+    check_index_limit(
+        name,
+        "queries × feature vectors",
+        threads,
+        kernels.MAX_THREADS,
+        "the PTX kernels index threads and rows with 32-bit integers: a thread per "
+        "query and vector of 4 features, or of 1 where F is not a multiple of 4",
+    )
+
+
 def check_neighbours(
     weights: object,
     indices: object,
@@ -69,8 +86,10 @@ def check_neighbours(
     """The arguments of both operators: ``(M, k)`` float32 weights, ``(M, k)`` int64
     indices into ``n_ref`` rows, and a float32 matrix ``rows`` (``feats`` ``(n_ref,
     F)`` for the gather, ``grad_out`` ``(M, F)`` for the scatter), all on one device.
-    Where values are checked (see :func:`~extkernels.ops.checks.values_checked`), every
-    index must lie in ``[0, n_ref)``: one host synchronisation."""
+    The threads, one per query and vector of features, must be countable in 32 bits
+    (:data:`~.kernels.MAX_THREADS`). Where values are checked (see
+    :func:`~extkernels.ops.checks.values_checked`), every index must lie in ``[0,
+    n_ref)``: one host synchronisation."""
     if isinstance(n_ref, bool) or not isinstance(n_ref, (int, torch.SymInt)):
         raise TypeError(f"n_ref: expected an int, got {type(n_ref).__name__}")
     if isinstance(n_ref, int) and n_ref < 1:
@@ -87,6 +106,7 @@ def check_neighbours(
     if rows.shape[0] != want:
         raise ValueError(f"{rows_name}: expected {want} rows, got {rows.shape[0]}")
     check_same_device(weights=weights, indices=indices, **{rows_name: rows})
+    _check_threads(rows_name, weights.shape[0], rows.shape[1])
     if values is None:  # never while a CUDA graph is captured: nothing may be read back
         values = values_checked(indices) and not capturing()
     if values:

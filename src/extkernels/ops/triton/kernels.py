@@ -27,9 +27,17 @@ __all__ = [
     "knn_aggregate_kernel",
     "scatter_kernel",
     "next_power_of_2",
+    "MAX_INDEX",
 ]
 
 next_power_of_2 = triton.next_power_of_2
+
+#: The largest offset the kernels may compute: their row indices come from
+#: ``tl.program_id`` and ``tl.arange``, 32-bit integers, and so do the offsets built
+#: from them (``slot * 3`` and ``r * 3`` into the clouds, ``i * 3`` in
+#: :func:`cell_keys_kernel`; ``q * F`` and ``q * K`` in :func:`scatter_kernel`, the
+#: backward). The operators refuse sizes past it (``ops.check_sizes``).
+MAX_INDEX = 2**31 - 1
 
 
 @triton.jit

@@ -17,10 +17,16 @@ import triton
 from torch.library import wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
-from ..checks import alert_not_deterministic, check_knn, check_knn_aggregate
+from ..checks import (
+    alert_not_deterministic,
+    check_index_limit,
+    check_knn,
+    check_knn_aggregate,
+)
 from ..torch.brute_force import knn as brute_force_knn
 from . import spatial
 from .kernels import (
+    MAX_INDEX,
     gather_kernel,
     knn_aggregate_kernel,
     knn_kernel,
@@ -30,6 +36,7 @@ from .kernels import (
 )
 
 __all__ = [
+    "check_sizes",
     "launch_knn",
     "search",
     "knn_op",
@@ -48,6 +55,32 @@ __all__ = [
 BLOCK_Q, BLOCK_R = 16, 64
 #: Warps per program of the search kernels.
 NUM_WARPS = 1
+
+
+# Why the sizes are bounded: offsets the kernels compute in 32-bit integers.
+_COORDS = "the Triton kernels offset coordinates by 3 × row in 32-bit integers"
+_BACKWARD = "the Triton backward offsets rows of {} by row × {} in 32-bit integers"
+
+
+def _check_backward_sizes(m, f, k, rows: str = "grad_out", weights: str = "weights"):
+    """The scatter's offsets, ``q * F`` into ``grad_out`` and ``q * K`` into the weights
+    and indices: ``M F`` and ``M k`` at most :data:`~.kernels.MAX_INDEX`."""
+    why = _BACKWARD.format("grad_out", "F")
+    check_index_limit(rows, "queries × features", m * f, MAX_INDEX, why)
+    why = _BACKWARD.format("the weights", "k")
+    check_index_limit(weights, "queries × neighbours", m * k, MAX_INDEX, why)
+
+
+def check_sizes(p_query, p_ref, feats=None, k=None) -> None:
+    """The sizes the kernels index with 32-bit integers (:data:`~.kernels.MAX_INDEX`),
+    after the metadata checks: the coordinates of each cloud (``3 M`` and ``3 N``) and,
+    for the aggregation, whose backward offsets rows by ``q * F`` and ``q * k``, ``M F``
+    and ``M k``. On every device, so that CPU tensors and fakes fail as CUDA ones do."""
+    check_index_limit("p_query", "queries", p_query.shape[0], MAX_INDEX // 3, _COORDS)
+    check_index_limit("p_ref", "points", p_ref.shape[0], MAX_INDEX // 3, _COORDS)
+    if feats is not None:
+        m = p_query.shape[0]
+        _check_backward_sizes(m, feats.shape[1], k, "p_query", "p_query")
 
 
 def _search_args(p_query, p_ref, grid, cells):
@@ -122,6 +155,7 @@ def knn_op(
         ready on PyTorch's current stream. No host synchronisation.
     """
     k = check_knn(p_query, p_ref, k)
+    check_sizes(p_query, p_ref)
     if p_query.device.type != "cuda":
         # What the compiler traces for CPU tensors (eager CPU calls take the kernel
         # registered below): Triton compiles for GPUs only.
@@ -133,6 +167,7 @@ def knn_op(
 def knn_cpu(p_query, p_ref, k):
     """The operator on CPU tensors: the brute force (chapter 8)."""
     k = check_knn(p_query, p_ref, k)
+    check_sizes(p_query, p_ref)
     return brute_force_knn(p_query, p_ref, k)
 
 
@@ -140,6 +175,7 @@ def knn_cpu(p_query, p_ref, k):
 def knn_fake(p_query, p_ref, k):
     """Empty outputs of the right shapes, after the metadata checks (chapter 8)."""
     k = check_knn(p_query, p_ref, k, values=False)
+    check_sizes(p_query, p_ref)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
 
@@ -203,6 +239,7 @@ def knn_aggregate_fwd_op(
         order).
     """
     k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
+    check_sizes(p_query, p_ref, feats, k)
     if p_query.device.type != "cuda":  # traced for CPU tensors, as knn_op
         distances, indices = brute_force_knn(p_query, p_ref, k)
         weights = _softmax_weights(distances, sigma)
@@ -218,6 +255,7 @@ def knn_aggregate_bwd_op(
     """The gather's adjoint: ``grad_feats[indices[q, j]] += weights[q, j] *
     grad_out[q]``; a fresh ``(n_ref, F)`` tensor."""
     m, f = grad_out.shape
+    _check_backward_sizes(m, f, weights.shape[1])
     grad = grad_out.new_zeros((n_ref, f))
     if grad_out.device.type != "cuda":
         k = weights.shape[1]

@@ -1,0 +1,455 @@
+"""The sizes a backend's kernels index with 32-bit integers: past its limit (defined
+once, beside its kernels), the custom operator, its fake and the entry point refuse
+them with a ``ValueError`` that names the argument; at the limit they go through.
+
+Fake tensors stand for the clouds, so that no 2^31-element tensor is ever allocated;
+fakes on ``cuda`` work without a GPU, so the CUDA operators' fakes are tested here too.
+Where a real call needs no large tensor (the limit passed by a product of two modest
+sizes), the real implementations on the CPU are tested as well.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import extkernels
+from extkernels.ops import checks, cpp, fused, ptx
+from extkernels.ops import triton as triton_backend
+
+HAVE_TRITON = triton_backend.available()
+HAVE_CPP = cpp.available()
+HAVE_PTX = ptx.available()
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed")
+needs_cpp = pytest.mark.skipif(not HAVE_CPP, reason="no C++ compiler or ninja")
+needs_ptx = pytest.mark.skipif(not HAVE_PTX, reason="pyptx is not installed")
+
+DEVICES = ["cpu", "cuda"]  # of the fakes: no GPU needed
+
+
+def _t(*shape, device, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------ the helper
+
+
+def test_the_helper_names_the_argument_and_both_sizes():
+    checks.check_index_limit("p_query", "queries", 10, 10, "why")  # at the limit
+    with pytest.raises(ValueError) as info:
+        checks.check_index_limit("p_query", "queries × features", 11, 10, "why")
+    assert str(info.value) == (
+        "p_query: expected at most 10 queries × features (why), got 11"
+    )
+
+
+# ------------------------------------------------------- the backends' limits
+
+
+@needs_triton
+def test_triton_limit_is_the_int32_range():
+    from extkernels.ops.triton import kernels
+
+    assert kernels.MAX_INDEX == 2**31 - 1
+
+
+@needs_ptx
+def test_ptx_limit_is_the_u32_range():
+    from extkernels.ops.ptx import kernels
+
+    assert kernels.MAX_THREADS == 2**32 - 1
+
+
+@needs_cpp
+def test_fused_limits_fit_32_bit_rows():
+    fused.prepare()
+    from extkernels.ops.fused import ops
+
+    assert ops.MAX_QUERIES == torch.iinfo(torch.int32).max
+    assert ops.MAX_RADIUS_QUERIES == 2**30
+
+
+# ---------------------------------------------------------------- the cases
+# Each builds, on a device, the call of an operator with sizes just past its limit
+# (over=True) or at or just under it (over=False), and names the argument refused.
+
+
+def _triton():
+    from extkernels.ops.triton import kernels
+
+    return torch.ops.triton_knn, kernels.MAX_INDEX
+
+
+def _cpp_limits():
+    cpp.prepare()
+    fused.prepare()
+    from extkernels.ops.cpp import ops as cpp_ops
+    from extkernels.ops.fused import ops as fused_ops
+
+    return cpp_ops.MAX_POINTS, fused_ops.MAX_QUERIES, fused_ops.MAX_RADIUS_QUERIES
+
+
+def _ptx():
+    from extkernels.ops.ptx import kernels
+
+    return torch.ops.extkernels_ptx, kernels.MAX_THREADS
+
+
+def triton_knn_queries(device, over):
+    ops, limit = _triton()
+    q, r = _t(limit // 3 + over, 3, device=device), _t(64, 3, device=device)
+    return lambda: ops.knn(q, r, 4), "p_query"
+
+
+def triton_knn_points(device, over):
+    ops, limit = _triton()
+    q, r = _t(10, 3, device=device), _t(limit // 3 + over, 3, device=device)
+    return lambda: ops.knn(q, r, 4), "p_ref"
+
+
+def triton_aggregate_features(device, over):
+    # 2^26 queries x 32 features = 2^31: the backward's row x F offsets would wrap
+    ops, _ = _triton()
+    q, r = _t(2**26, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 32 if over else 31, device=device)
+    return lambda: ops.knn_aggregate_fwd(q, r, f, 4, 0.1), "p_query"
+
+
+def triton_aggregate_neighbours(device, over):
+    ops, _ = _triton()
+    q, r = _t(2**26, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 1, device=device)
+    k = 32 if over else 31
+    return lambda: ops.knn_aggregate_fwd(q, r, f, k, 0.1), "p_query"
+
+
+def triton_backward_features(device, over):
+    ops, _ = _triton()
+    g = _t(2**26, 32 if over else 31, device=device)
+    w = _t(2**26, 4, device=device)
+    i = _t(2**26, 4, device=device, dtype=torch.int64)
+    return lambda: ops.knn_aggregate_bwd(g, w, i, 64), "grad_out"
+
+
+def triton_backward_neighbours(device, over):
+    ops, _ = _triton()
+    k = 32 if over else 31
+    g = _t(2**26, 1, device=device)
+    w = _t(2**26, k, device=device)
+    i = _t(2**26, k, device=device, dtype=torch.int64)
+    return lambda: ops.knn_aggregate_bwd(g, w, i, 64), "weights"
+
+
+def cpp_knn_points(device, over):
+    max_points, _, _ = _cpp_limits()
+    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    return lambda: torch.ops.extkernels_cpp.knn(q, r, 4), "p_ref"
+
+
+def cpp_aggregate_points(device, over):
+    max_points, _, _ = _cpp_limits()
+    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    f = _t(max_points + over, 2, device=device)
+    op = torch.ops.extkernels_cpp.knn_aggregate_fwd
+    return lambda: op(q, r, f, 4, 0.1), "p_ref"
+
+
+def fused_knn_queries(device, over):
+    _, max_queries, _ = _cpp_limits()
+    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
+    return lambda: torch.ops.extkernels_fused.knn(q, r, 4), "p_query"
+
+
+def fused_knn_points(device, over):
+    max_points, _, _ = _cpp_limits()
+    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    return lambda: torch.ops.extkernels_fused.knn(q, r, 4), "p_ref"
+
+
+def fused_knn_work_points(device, over):
+    max_points, _, _ = _cpp_limits()
+    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    return lambda: torch.ops.extkernels_fused.knn_work(q, r, 4), "p_ref"
+
+
+def fused_aggregate_queries(device, over):
+    _, max_queries, _ = _cpp_limits()
+    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 2, device=device)
+    op = torch.ops.extkernels_fused.knn_aggregate_fwd
+    return lambda: op(q, r, f, 4, 0.1), "p_query"
+
+
+def fused_radius_queries(device, over):
+    _, _, max_radius = _cpp_limits()
+    q, r = _t(max_radius + over, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 2, device=device)
+    op = torch.ops.extkernels_fused.radius_aggregate_fwd
+    return lambda: op(q, r, f, 0.1, 0.1), "p_query"
+
+
+def fused_radius_points(device, over):
+    max_points, _, _ = _cpp_limits()
+    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    f = _t(max_points + over, 2, device=device)
+    op = torch.ops.extkernels_fused.radius_aggregate_fwd
+    return lambda: op(q, r, f, 0.1, 0.1), "p_ref"
+
+
+def _neighbours(m, device):
+    return _t(m, 4, device=device), _t(m, 4, device=device, dtype=torch.int64)
+
+
+def ptx_gather_scalars(device, over):
+    # F odd: a thread per query and feature, 2^16 x (2^16 + 1) > 2^32 - 1 of them
+    ops, _ = _ptx()
+    w, i = _neighbours(2**16, device)
+    f = _t(64, 2**16 + 1 if over else 2**16 - 1, device=device)
+    return lambda: ops.gather(w, i, f), "feats"
+
+
+def ptx_gather_vectors(device, over):
+    # F a multiple of 4: a thread per query and 4 features, 2^16 x 2^16 = 2^32
+    ops, _ = _ptx()
+    w, i = _neighbours(2**16, device)
+    f = _t(64, 2**18 if over else 2**18 - 4, device=device)
+    return lambda: ops.gather(w, i, f), "feats"
+
+
+def ptx_scatter(device, over):
+    ops, _ = _ptx()
+    w, i = _neighbours(2**16, device)
+    g = _t(2**16, 2**16 + 1 if over else 2**16 - 1, device=device)
+    return lambda: ops.scatter(g, w, i, 64), "grad_out"
+
+
+OPERATOR_CASES = [
+    pytest.param(triton_knn_queries, marks=needs_triton),
+    pytest.param(triton_knn_points, marks=needs_triton),
+    pytest.param(triton_aggregate_features, marks=needs_triton),
+    pytest.param(triton_aggregate_neighbours, marks=needs_triton),
+    pytest.param(triton_backward_features, marks=needs_triton),
+    pytest.param(triton_backward_neighbours, marks=needs_triton),
+    pytest.param(cpp_knn_points, marks=needs_cpp),
+    pytest.param(cpp_aggregate_points, marks=needs_cpp),
+    pytest.param(fused_knn_queries, marks=needs_cpp),
+    pytest.param(fused_knn_points, marks=needs_cpp),
+    pytest.param(fused_knn_work_points, marks=needs_cpp),
+    pytest.param(fused_aggregate_queries, marks=needs_cpp),
+    pytest.param(fused_radius_queries, marks=needs_cpp),
+    pytest.param(fused_radius_points, marks=needs_cpp),
+    pytest.param(ptx_gather_scalars, marks=needs_ptx),
+    pytest.param(ptx_gather_vectors, marks=needs_ptx),
+    pytest.param(ptx_scatter, marks=needs_ptx),
+]
+
+# Triton operators without a fake of their own run their Python body on fakes, launch
+# included: on CUDA fakes that needs a GPU (the refusal comes first, so it does not).
+TRACES_THE_LAUNCH = {
+    triton_aggregate_features,
+    triton_aggregate_neighbours,
+    triton_backward_features,
+    triton_backward_neighbours,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", OPERATOR_CASES)
+def test_fake_refuses_sizes_past_the_limit(case, device):
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        call, name = case(device, over=True)
+        with pytest.raises(ValueError, match=f"^{name}: expected at most "):
+            call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", OPERATOR_CASES)
+def test_fake_takes_sizes_at_the_limit(case, device):
+    if device == "cuda" and case in TRACES_THE_LAUNCH and not torch.cuda.is_available():
+        pytest.skip("the Triton operator traces its kernel launch: needs CUDA")
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        call, _ = case(device, over=False)
+        out = call()
+    assert all(t.numel() >= 0 for t in (out if isinstance(out, tuple) else (out,)))
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def entry_triton_knn(device, over):
+    _, limit = _triton()
+    q, r = _t(limit // 3 + over, 3, device=device), _t(64, 3, device=device)
+    return lambda: extkernels.knn(q, r, 4, backend="triton"), "p_query"
+
+
+def entry_triton_aggregate(device, over):
+    q, r = _t(2**26, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 32 if over else 31, device=device)
+    return (
+        lambda: extkernels.knn_aggregate(q, r, f, 4, 0.1, backend="triton"),
+        "p_query",
+    )
+
+
+def entry_cpp_knn(device, over):
+    max_points, _, _ = _cpp_limits()
+    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    return lambda: extkernels.knn(q, r, 4, backend="cpp"), "p_ref"
+
+
+def entry_fused_knn(device, over):
+    _, max_queries, _ = _cpp_limits()
+    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
+    return lambda: extkernels.knn(q, r, 4, backend="fused"), "p_query"
+
+
+def entry_fused_aggregate(device, over):
+    _, max_queries, _ = _cpp_limits()
+    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 2, device=device)
+    return (
+        lambda: extkernels.knn_aggregate(q, r, f, 4, 0.1, backend="fused"),
+        "p_query",
+    )
+
+
+def entry_fused_radius(device, over):
+    _, _, max_radius = _cpp_limits()
+    q, r = _t(max_radius + over, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 2, device=device)
+    return (
+        lambda: extkernels.radius_aggregate(q, r, f, 0.1, 0.1, backend="fused"),
+        "p_query",
+    )
+
+
+def entry_ptx_aggregate(device, over):
+    _ptx()
+    q, r = _t(2**16, 3, device=device), _t(64, 3, device=device)
+    f = _t(64, 2**16 + 1 if over else 2**16 - 1, device=device)
+    return (
+        lambda: extkernels.knn_aggregate(q, r, f, 4, 0.1, backend="ptx"),
+        "feats",
+    )
+
+
+ENTRY_CASES = [
+    pytest.param(entry_triton_knn, marks=needs_triton),
+    pytest.param(entry_triton_aggregate, marks=needs_triton),
+    pytest.param(entry_cpp_knn, marks=needs_cpp),
+    pytest.param(entry_fused_knn, marks=needs_cpp),
+    pytest.param(entry_fused_aggregate, marks=needs_cpp),
+    pytest.param(entry_fused_radius, marks=needs_cpp),
+    pytest.param(entry_ptx_aggregate, marks=needs_ptx),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ENTRY_CASES)
+def test_entry_point_refuses_sizes_past_the_limit(case, device):
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        call, name = case(device, over=True)
+        with pytest.raises(ValueError, match=f"^{name}: expected at most "):
+            call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ENTRY_CASES)
+def test_entry_point_takes_sizes_at_the_limit(case, device):
+    if (
+        device == "cuda"
+        and case is entry_triton_aggregate
+        and not torch.cuda.is_available()
+    ):
+        pytest.skip("the Triton operator traces its kernel launch: needs CUDA")
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        call, _ = case(device, over=False)
+        out = call()
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape[0] > 0
+
+
+# ------------------------------------------- real implementations, on the CPU
+# A product of sizes passes the limit while every tensor stays small: the refusal
+# comes before any work (nothing of 2^31 elements is ever allocated).
+
+
+@needs_triton
+def test_triton_operator_and_entry_point_refuse_on_the_cpu():
+    q = torch.zeros(2**16, 3)
+    few = torch.zeros(1, 3)
+    wide = torch.zeros(1, 2**15)  # 2^16 queries x 2^15 features = 2^31
+    with pytest.raises(ValueError, match="^p_query: expected at most 2147483647 "):
+        torch.ops.triton_knn.knn_aggregate_fwd(q, few, wide, 1, 0.1)
+    with pytest.raises(ValueError, match="^p_query: expected at most 2147483647 "):
+        extkernels.knn_aggregate(q, few, wide, 1, 0.1, backend="triton")
+    many = torch.randn(2**15, 3)  # 2^16 queries x 2^15 neighbours = 2^31
+    with pytest.raises(ValueError, match="^p_query: .* queries × neighbours"):
+        torch.ops.triton_knn.knn_aggregate_fwd(q, many, torch.zeros(2**15, 1), 2**15, 1)
+
+
+@needs_triton
+def test_triton_backward_refuses_on_the_cpu():
+    # Broadcast views: the backward reads no element before it refuses.
+    g = torch.zeros(1, 1).expand(2**16, 2**15)
+    w = torch.zeros(1, 1).expand(2**16, 4)
+    i = torch.zeros(1, 1, dtype=torch.int64).expand(2**16, 4)
+    with pytest.raises(ValueError, match="^grad_out: expected at most 2147483647 "):
+        torch.ops.triton_knn.knn_aggregate_bwd(g, w, i, 64)
+    g = torch.zeros(1, 1).expand(2**16, 1)
+    w = torch.zeros(1, 1).expand(2**16, 2**15)
+    i = torch.zeros(1, 1, dtype=torch.int64).expand(2**16, 2**15)
+    with pytest.raises(ValueError, match="^weights: expected at most 2147483647 "):
+        torch.ops.triton_knn.knn_aggregate_bwd(g, w, i, 64)
+
+
+@needs_ptx
+def test_ptx_operator_and_entry_point_refuse_on_the_cpu():
+    w, i = torch.full((2**16, 1), 1.0), torch.zeros(2**16, 1, dtype=torch.int64)
+    feats = torch.zeros(1, 2**16 + 1)  # 2^16 x (2^16 + 1) threads
+    with pytest.raises(ValueError, match="^feats: expected at most 4294967295 "):
+        torch.ops.extkernels_ptx.gather(w, i, feats)
+    q, r = torch.zeros(2**16, 3), torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="^feats: expected at most 4294967295 "):
+        extkernels.knn_aggregate(q, r, feats, 1, 0.1, backend="ptx")
+
+
+# ------------------------------------------------------ under dynamic shapes
+
+
+def _problem(m, f):
+    g = torch.Generator().manual_seed(0)
+    p_ref = torch.randn(40, 3, generator=g)
+    return torch.randn(m, 3, generator=g), p_ref, torch.randn(40, f, generator=g)
+
+
+@pytest.mark.parametrize(
+    "backend, op",
+    [
+        pytest.param("triton", "knn_aggregate", marks=needs_triton),
+        pytest.param("cpp", "knn_aggregate", marks=needs_cpp),
+        pytest.param("fused", "knn_aggregate", marks=needs_cpp),
+        pytest.param("fused", "radius_aggregate", marks=needs_cpp),
+        pytest.param("ptx", "knn_aggregate", marks=needs_ptx),
+    ],
+)
+def test_limits_take_symbolic_sizes(backend, op):
+    # Compiled (Dynamo only, no code generation) with the queries and the features
+    # marked dynamic: the limits compare SymInt sizes without specialising them, so
+    # one graph serves every size.
+    fn = getattr(extkernels, op)
+    k_or_radius = 4 if op == "knn_aggregate" else 0.5
+
+    def traced(q, r, feats):
+        return fn(q, r, feats, k_or_radius, 0.1, backend=backend)
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(traced, backend=counter, fullgraph=True)
+    for m, f in [(30, 5), (50, 7)]:
+        q, r, feats = _problem(m, f)
+        torch._dynamo.mark_dynamic(q, 0)
+        torch._dynamo.mark_dynamic(feats, 1)
+        torch.testing.assert_close(compiled(q, r, feats), traced(q, r, feats))
+    assert counter.frame_count == 1
