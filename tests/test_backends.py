@@ -240,6 +240,46 @@ def test_knn_with_k_equal_to_the_cloud(backend, device):
     np.testing.assert_allclose(d.cpu(), knn_reference(p_query, p_ref, 40)[0], atol=1e-6)
 
 
+# ---------------------------------------------------------------- misaligned views
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` again as a contiguous view one element past the start of its storage: a
+    pointer that is not 16-byte aligned, as a slice of a larger buffer gives."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view_as(t)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.parametrize("op, backend, device", per_op(OPS))
+def test_misaligned_views_give_the_aligned_result(op, backend, device):
+    p_query, p_ref = _cloud("random")
+    feats = smooth_feats(p_ref)[:, :4].contiguous()  # 4 features: vector loads
+    grad_out = torch.randn(len(p_query), 4, generator=_generator(3))
+    q, r, f, g = _on(device, p_query, p_ref, feats, grad_out)
+
+    def run(q, r, f):
+        if op == "knn":
+            return extkernels.knn(q, r, K, backend=backend)
+        f = f.detach().requires_grad_(True)
+        fn = getattr(extkernels, op)
+        scale = K if op == "knn_aggregate" else RADIUS
+        out = fn(q, r, f, scale, SIGMA, backend=backend)
+        out.backward(_misaligned(g))
+        return out.detach(), f.grad
+
+    expected = run(q, r, f)
+    for name, args in {
+        "p_query": (_misaligned(q), r, f),
+        "p_ref": (q, _misaligned(r), f),
+        "feats": (q, r, _misaligned(f)),
+    }.items():
+        for got, want in zip(run(*args), expected, strict=True):
+            torch.testing.assert_close(got, want, msg=f"{backend} {op}: {name}")
+
+
 # ---------------------------------------------------------------- determinism
 
 NOT_DETERMINISTIC = "does not have a deterministic implementation"

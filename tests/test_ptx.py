@@ -379,3 +379,17 @@ def test_glue_of_the_call_costs_and_the_projector():
     assert words["ptx_compile_fwd_ms"] == 1.1
     assert words["ptx_compile_vs_eager_forward"] == "slower than"
     assert words["ptx_compile_vs_eager_train"] == "within the run-to-run spread of"
+
+
+def test_rows_read_as_vectors_are_moved_to_an_aligned_address():
+    from extkernels.ops.ptx.ops import vector_aligned
+
+    buf = torch.arange(4 * 8 + 1, dtype=torch.float32)
+    view = buf[1:].view(4, 8)  # contiguous, 4 bytes past an aligned block
+    assert view.is_contiguous() and view.data_ptr() % 16 == 4
+    moved = vector_aligned(view)
+    assert moved.data_ptr() % 16 == 0 and torch.equal(moved, view)
+    aligned = buf[:32].view(4, 8)
+    assert vector_aligned(aligned) is aligned  # nothing to move
+    odd = torch.arange(3 * 3 + 1, dtype=torch.float32)[1:].view(3, 3)
+    assert vector_aligned(odd) is odd  # F = 3: read one float at a time

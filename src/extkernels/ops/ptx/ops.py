@@ -40,6 +40,7 @@ __all__ = [
     "gather_backward",
     "check_neighbours",
     "check_hopper",
+    "vector_aligned",
 ]
 
 #: The compute capability the kernels are built for (``sm_90a``).
@@ -129,6 +130,17 @@ def check_hopper(device: torch.device) -> None:
         )
 
 
+def vector_aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``(n, F)`` as the kernels read them: where they read 16-byte vectors
+    (``F`` a multiple of four, :func:`~.kernels.vec_width`) from a pointer that is not
+    16-byte aligned (a contiguous view at an offset, such as ``buf[1:].view(n, 8)``), a
+    copy at an aligned address; else ``rows`` itself. A vector load from a misaligned
+    address is a sticky CUDA error that ends every later CUDA call of the process."""
+    if kernels.vec_width(rows.shape[1]) == 1 or rows.data_ptr() % 16 == 0:
+        return rows
+    return rows.clone()  # the allocator's blocks start at 512-byte boundaries
+
+
 # ------------------------------------------------------------------ the gather
 
 
@@ -139,7 +151,7 @@ def gather(
     """``out[q] = sum_j weights[q, j] * feats[indices[q, j]]``: ``(M, F)`` float32."""
     check_neighbours(weights, indices, feats, feats.shape[0])
     check_hopper(weights.device)
-    return kernels.gather(weights, indices, feats)
+    return kernels.gather(weights, indices, vector_aligned(feats))
 
 
 @gather.register_kernel("cpu")
@@ -172,8 +184,8 @@ def scatter(
     check_neighbours(weights, indices, grad_out, n_ref, rows_name="grad_out")
     check_hopper(weights.device)
     alert_not_deterministic("extkernels_ptx::scatter (atomic reductions of rows)")
-    grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))
-    kernels.scatter(weights, indices, grad_out, grad)  # adds into grad
+    grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))  # aligned: a fresh block
+    kernels.scatter(weights, indices, vector_aligned(grad_out), grad)  # adds into grad
     return grad
 
 
