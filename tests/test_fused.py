@@ -543,3 +543,21 @@ def test_the_precision_and_reduce_overhead_quotes():
     quotes = report.reduce_overhead_quotes(ro, by_hand)
     assert quotes["ro_over_by_hand_knn"] == pytest.approx(2.0)
     assert quotes["ro_over_by_hand_radius"] == pytest.approx(3.0)
+
+
+def test_the_fakes_grid_has_the_librarys_layout():
+    """The fakes size the grid from the library's own ``grid_layout``: the radius
+    forward's real outputs and its fake's agree on the cell starts and parameters."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from extkernels.ops.fused import ops
+
+    q, r, f = ek.query_grid(4), ek.reference_cloud(50), ek.features(50, 5)
+    real = torch.ops.extkernels_fused.radius_aggregate_fwd(q, r, f, 0.5, 0.1)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.extkernels_fused.radius_aggregate_fwd(
+            *(mode.from_tensor(t) for t in (q, r, f)), 0.5, 0.1
+        )
+    assert [t.shape for t in fake] == [t.shape for t in real]
+    assert real[4].numel() == ops.GRID_PARAMS_BYTES
+    assert real[3].numel() == ops.cell_capacity(50) + 1 == ops.CELLS_PER_POINT * 50 + 1

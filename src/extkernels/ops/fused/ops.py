@@ -19,6 +19,7 @@ from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
 __all__ = [
     "GRID_PARAMS_BYTES",
+    "CELLS_PER_POINT",
     "MAX_QUERIES",
     "MAX_RADIUS_QUERIES",
     "cell_capacity",
@@ -27,16 +28,18 @@ __all__ = [
 
 build.load()
 
-#: Bytes of the grid's parameters (``GridParams`` in the C++ backend's ``grid.h``).
-GRID_PARAMS_BYTES = 32
-
 _ops = torch.ops.extkernels_fused
 checks.on_value_checks(_ops.set_value_checks)
 
+#: Bytes of the grid's parameters (``GridParams`` in the C++ backend's ``grid.h``) and
+#: the grid's cells per reference point, read from the library.
+GRID_PARAMS_BYTES, CELLS_PER_POINT = (int(v) for v in _ops.grid_layout())
+
 
 def cell_capacity(n: int) -> int:
-    """Cells of the grid's workspace for a cloud of ``n`` points (``grid.h``)."""
-    return max(8 * n, 1)
+    """Cells of the grid's workspace for a cloud of ``n`` points (``grid.h``'s
+    ``cell_capacity``)."""
+    return max(CELLS_PER_POINT * n, 1)
 
 
 #: The most queries of the kNN operators: the tree search hands its long queries to a

@@ -282,6 +282,10 @@ TORCH_LIBRARY(extkernels_fused, m) {
       " Tensor grid_ref, Tensor grid_start, Tensor grid_params, float radius,"
       " float sigma, bool warp=True) -> Tensor");
   m.def("set_value_checks(bool enabled) -> bool", &set_value_checks);
+  // The grid's layout, for the fakes: GridParams' bytes and the cells per point.
+  m.def("grid_layout() -> int[]", []() {
+    return std::vector<int64_t>{(int64_t)sizeof(GridParams), cell_capacity(1)};
+  });
 }
 
 TORCH_LIBRARY_IMPL(extkernels_fused, CPU, m) {

@@ -13,10 +13,9 @@
 
 namespace extkernels {
 
-static_assert(sizeof(GridParams) == 32, "the fakes in ops.py assume 32 bytes");
-
 // The grid as operator outputs: (n, 4) sorted points, (cell_capacity(n) + 1,) int32
-// cell starts, GridParams as (32,) uint8.
+// cell starts, GridParams as (sizeof(GridParams),) uint8 (the fakes read both sizes
+// from the operator grid_layout).
 struct SavedGrid {
   at::Tensor ref, start, params;
 };
