@@ -165,9 +165,9 @@ def anchor_table(df: pd.DataFrame) -> pd.DataFrame:
     code as this book timed it on an H200 (``reference.anchor_figures``), beside this
     book's medians of ``df`` (ms forward / training)."""
     rows = {}
-    for source, figures in anchor_figures.items():
+    for column, figures in anchor_figures.items():
         for variant, (fwd, train) in figures.items():
-            rows.setdefault(variant, {})[source] = f"{fwd:.1f} / {train:.1f}"
+            rows.setdefault(variant, {})[column] = f"{fwd:.1f} / {train:.1f}"
     out = pd.DataFrame(rows).T
     mine = [
         f"{df.loc[v, 'forward_ms']:.3g} / {df.loc[v, 'train_ms']:.3g}"

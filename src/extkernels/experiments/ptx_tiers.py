@@ -6,9 +6,8 @@ in a CUDA graph); :func:`kernel_times` times the same gather and scatter written
 C++, Triton and PTX on the device; :func:`build_costs` measures pyptx's build per shape
 and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly` asks
 ``torch.compile`` to trace pyptx's kernel object itself. All these but
-:func:`bucket_builds` need a Hopper GPU. :func:`check_against_references` compares the
-operators with float64 sums and chapter 9's C++ gather; the ``*_glue`` functions give
-the numbers the chapter's prose quotes.
+:func:`bucket_builds` need a Hopper GPU. The ``*_glue`` functions give the numbers the
+chapter's prose quotes.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from ..ops.triton import ops as triton_ops
 from ..timing import first_call_seconds, ranked, time_blocks, verdict
 
 __all__ = [
-    "check_against_references",
     "pyptx_operator",
     "call_costs",
     "kernel_times",
@@ -52,45 +50,6 @@ CALL_ROWS = {
     "graph": "extkernels_ptx::gather, CUDA graph replay",
     "gather_device": "the kernel alone (do_bench: device time, L2 emptied first)",
 }
-
-
-def check_against_references(
-    weights, indices, feats, feats32, grad_out
-) -> dict[str, bool]:
-    """Chapter 10's correctness checks, on any device (value checks are the caller's
-    choice): the PTX gather against a float64 sum and against chapter 9's C++ gather
-    with ``feats`` ``(N, F)`` and ``feats32`` ``(N, 32)`` (float4 loads there), and the
-    PTX scatter of ``grad_out`` ``(M, F)`` against a float64 ``index_add_``. Weights
-    ``(M, k)`` float32, indices ``(M, k)`` int64."""
-    gather, scatter = torch.ops.extkernels_ptx.gather, torch.ops.extkernels_ptx.scatter
-    cpp_gather = torch.ops.extkernels_cpp.gather
-    n_ref = feats.shape[0]
-    exact = (weights.double().unsqueeze(-1) * feats.double()[indices]).sum(1)
-    contributions = weights.double().unsqueeze(-1) * grad_out.double().unsqueeze(1)
-    scattered = torch.zeros(
-        n_ref, grad_out.shape[1], dtype=torch.float64, device=feats.device
-    )
-    scattered.index_add_(0, indices.reshape(-1), contributions.flatten(0, 1))
-    return {
-        "gather equals the float64 sum": torch.allclose(
-            gather(weights, indices, feats).double(), exact, atol=1e-5
-        ),
-        f"gather equals chapter 9's C++ gather ({feats.shape[1]} features)": (
-            torch.allclose(
-                gather(weights, indices, feats),
-                cpp_gather(weights, indices, feats, False),
-                atol=1e-6,
-            )
-        ),
-        "gather equals chapter 9's C++ gather (32 features)": torch.allclose(
-            gather(weights, indices, feats32),
-            cpp_gather(weights, indices, feats32, True),
-            atol=1e-6,
-        ),
-        "scatter equals the float64 index_add_": torch.allclose(
-            scatter(grad_out, weights, indices, n_ref).double(), scattered, atol=1e-4
-        ),
-    }
 
 
 def pyptx_operator(kernel) -> Callable:
