@@ -32,6 +32,12 @@ def _t(*shape, device, dtype=torch.float32):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _clouds(device, m: int = 10, n: int = 64, f: int | None = None) -> tuple:
+    """``m`` queries and ``n`` points, and with ``f`` an ``(n, f)`` feature matrix."""
+    clouds = (_t(m, 3, device=device), _t(n, 3, device=device))
+    return clouds if f is None else (*clouds, _t(n, f, device=device))
+
+
 # ------------------------------------------------------------------ the helper
 
 
@@ -98,28 +104,26 @@ def _ptx():
 
 def triton_knn_queries(device, over):
     ops, limit = _triton()
-    q, r = _t(limit // 3 + over, 3, device=device), _t(64, 3, device=device)
+    q, r = _clouds(device, m=limit // 3 + over, n=64)
     return lambda: ops.knn(q, r, 4), "p_query"
 
 
 def triton_knn_points(device, over):
     ops, limit = _triton()
-    q, r = _t(10, 3, device=device), _t(limit // 3 + over, 3, device=device)
+    q, r = _clouds(device, m=10, n=limit // 3 + over)
     return lambda: ops.knn(q, r, 4), "p_ref"
 
 
 def triton_aggregate_features(device, over):
     # 2^26 queries x 32 features = 2^31: the backward's row x F offsets would wrap
     ops, _ = _triton()
-    q, r = _t(2**26, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 32 if over else 31, device=device)
+    q, r, f = _clouds(device, m=2**26, n=64, f=32 if over else 31)
     return lambda: ops.knn_aggregate_fwd(q, r, f, 4, 0.1), "p_query"
 
 
 def triton_aggregate_neighbours(device, over):
     ops, _ = _triton()
-    q, r = _t(2**26, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 1, device=device)
+    q, r, f = _clouds(device, m=2**26, n=64, f=1)
     k = 32 if over else 31
     return lambda: ops.knn_aggregate_fwd(q, r, f, k, 0.1), "p_query"
 
@@ -143,56 +147,52 @@ def triton_backward_neighbours(device, over):
 
 def cpp_knn_points(device, over):
     max_points, _, _ = _cpp_limits()
-    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    q, r = _clouds(device, m=10, n=max_points + over)
     return lambda: torch.ops.extkernels_cpp.knn(q, r, 4), "p_ref"
 
 
 def cpp_aggregate_points(device, over):
     max_points, _, _ = _cpp_limits()
-    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
-    f = _t(max_points + over, 2, device=device)
+    q, r, f = _clouds(device, m=10, n=max_points + over, f=2)
     op = torch.ops.extkernels_cpp.knn_aggregate_fwd
     return lambda: op(q, r, f, 4, 0.1), "p_ref"
 
 
 def fused_knn_queries(device, over):
     _, max_queries, _ = _cpp_limits()
-    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
+    q, r = _clouds(device, m=max_queries + over, n=64)
     return lambda: torch.ops.extkernels_fused.knn(q, r, 4), "p_query"
 
 
 def fused_knn_points(device, over):
     max_points, _, _ = _cpp_limits()
-    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    q, r = _clouds(device, m=10, n=max_points + over)
     return lambda: torch.ops.extkernels_fused.knn(q, r, 4), "p_ref"
 
 
 def fused_knn_work_points(device, over):
     max_points, _, _ = _cpp_limits()
-    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
+    q, r = _clouds(device, m=10, n=max_points + over)
     return lambda: torch.ops.extkernels_fused.knn_work(q, r, 4), "p_ref"
 
 
 def fused_aggregate_queries(device, over):
     _, max_queries, _ = _cpp_limits()
-    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 2, device=device)
+    q, r, f = _clouds(device, m=max_queries + over, n=64, f=2)
     op = torch.ops.extkernels_fused.knn_aggregate_fwd
     return lambda: op(q, r, f, 4, 0.1), "p_query"
 
 
 def fused_radius_queries(device, over):
     _, _, max_radius = _cpp_limits()
-    q, r = _t(max_radius + over, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 2, device=device)
+    q, r, f = _clouds(device, m=max_radius + over, n=64, f=2)
     op = torch.ops.extkernels_fused.radius_aggregate_fwd
     return lambda: op(q, r, f, 0.1, 0.1), "p_query"
 
 
 def fused_radius_points(device, over):
     max_points, _, _ = _cpp_limits()
-    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
-    f = _t(max_points + over, 2, device=device)
+    q, r, f = _clouds(device, m=10, n=max_points + over, f=2)
     op = torch.ops.extkernels_fused.radius_aggregate_fwd
     return lambda: op(q, r, f, 0.1, 0.1), "p_ref"
 
@@ -257,61 +257,48 @@ TRACES_THE_LAUNCH = {
 # ---------------------------------------------------------------- entry points
 
 
+def _entry(device, op: str, backend: str, m: int, n: int = 64, f: int = 2):
+    """``extkernels.<op>`` with ``backend`` on fake clouds of ``m`` queries and ``n``
+    points (and ``f`` features for the aggregations), to call under FakeTensorMode."""
+    clouds = _clouds(device, m, n, None if op == "knn" else f)
+    args = {"knn": (4,), "knn_aggregate": (4, 0.1), "radius_aggregate": (0.1, 0.1)}[op]
+    return lambda: getattr(extkernels, op)(*clouds, *args, backend=backend)
+
+
 def entry_triton_knn(device, over):
     _, limit = _triton()
-    q, r = _t(limit // 3 + over, 3, device=device), _t(64, 3, device=device)
-    return lambda: extkernels.knn(q, r, 4, backend="triton"), "p_query"
+    return _entry(device, "knn", "triton", limit // 3 + over), "p_query"
 
 
 def entry_triton_aggregate(device, over):
-    q, r = _t(2**26, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 32 if over else 31, device=device)
-    return (
-        lambda: extkernels.knn_aggregate(q, r, f, 4, 0.1, backend="triton"),
-        "p_query",
-    )
+    f = 32 if over else 31
+    return _entry(device, "knn_aggregate", "triton", 2**26, f=f), "p_query"
 
 
 def entry_cpp_knn(device, over):
     max_points, _, _ = _cpp_limits()
-    q, r = _t(10, 3, device=device), _t(max_points + over, 3, device=device)
-    return lambda: extkernels.knn(q, r, 4, backend="cpp"), "p_ref"
+    return _entry(device, "knn", "cpp", 10, n=max_points + over), "p_ref"
 
 
 def entry_fused_knn(device, over):
     _, max_queries, _ = _cpp_limits()
-    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
-    return lambda: extkernels.knn(q, r, 4, backend="fused"), "p_query"
+    return _entry(device, "knn", "fused", max_queries + over), "p_query"
 
 
 def entry_fused_aggregate(device, over):
     _, max_queries, _ = _cpp_limits()
-    q, r = _t(max_queries + over, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 2, device=device)
-    return (
-        lambda: extkernels.knn_aggregate(q, r, f, 4, 0.1, backend="fused"),
-        "p_query",
-    )
+    return _entry(device, "knn_aggregate", "fused", max_queries + over), "p_query"
 
 
 def entry_fused_radius(device, over):
     _, _, max_radius = _cpp_limits()
-    q, r = _t(max_radius + over, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 2, device=device)
-    return (
-        lambda: extkernels.radius_aggregate(q, r, f, 0.1, 0.1, backend="fused"),
-        "p_query",
-    )
+    return _entry(device, "radius_aggregate", "fused", max_radius + over), "p_query"
 
 
 def entry_ptx_aggregate(device, over):
     _ptx()
-    q, r = _t(2**16, 3, device=device), _t(64, 3, device=device)
-    f = _t(64, 2**16 + 1 if over else 2**16 - 1, device=device)
-    return (
-        lambda: extkernels.knn_aggregate(q, r, f, 4, 0.1, backend="ptx"),
-        "feats",
-    )
+    f = 2**16 + 1 if over else 2**16 - 1
+    return _entry(device, "knn_aggregate", "ptx", 2**16, f=f), "feats"
 
 
 ENTRY_CASES = [
