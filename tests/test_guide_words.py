@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 import torch
 from conftest import ROOT, toc_files
@@ -104,8 +105,8 @@ def test_at_least_claims_round_down_and_at_most_claims_round_up(table):
     assert least <= results.targets(table[1])["x cuml at 10⁶"].min()
     most = float(re.search(r"at most ([\d.]+) ms", text).group(1))
     assert most >= results.targets(table[1])["ms at 10⁶"].max()
-    assert guide._at_least(20.543) == "20" and guide._at_most(1.131, 2) == "1.14"
-    assert guide._at_most(1.32, 2) == "1.32"
+    assert results.at_least(20.543) == "20" and results.at_most(1.131, 2) == "1.14"
+    assert results.at_most(1.32, 2) == "1.32"
 
 
 def test_no_cell_of_the_guide_names_the_books_cloud_as_its_own_worst(table):
@@ -138,3 +139,19 @@ def test_no_page_calls_cumls_search_a_brute_force(path):
         f"{path.name}: the book's cuML operator runs {cuml.DEFAULT_ALGORITHM!r}, not "
         f"'brute': {found}"
     )
+
+
+@pytest.mark.parametrize(
+    "ratios, expected",
+    [
+        ({"normal": 1.0, "panda": 0.8, "shell": 0.9}, "is no slower on any cloud"),
+        ({"normal": 1.0, "panda": 1.31, "shell": 0.9}, "takes at most 1.4× its time"),
+    ],
+)
+def test_a_method_against_the_books_cloud_names_its_slowest_other_cloud(
+    ratios, expected
+):
+    text = results.against_book_cloud(pd.Series(ratios))
+    assert text.startswith(expected), text
+    assert "normal" not in text
+    assert ("panda" in text) == (max(ratios.values()) > 1.0)

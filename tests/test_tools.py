@@ -527,6 +527,21 @@ def test_verdict_claims_a_difference_only_when_the_ranges_do_not_overlap(
     assert timing.verdict(timing.timings_frame(rows), "a", "b").startswith(expected)
 
 
+@pytest.mark.parametrize(
+    "runs, expected",
+    [
+        ((0.6, 0.8), "above the 0.50 ms goal in every run"),
+        ((0.3, 0.4), "within the 0.50 ms goal in every run"),
+        ((0.4, 0.6), "within the 0.50 ms goal in some runs only"),
+    ],
+)
+def test_against_goal_says_where_every_run_lies(runs, expected):
+    rows = [{"variant": "a", "forward_ms": f, "train_ms": f} for f in runs]
+    text = timing.against_goal(timing.timings_frame(rows), "a", "train", 0.5)
+    assert text.endswith(expected), text
+    assert text.startswith(f"{sum(runs) / 2:.3f} ms")
+
+
 @pytest.mark.gpu
 def test_top_kernels_on_the_host_show_the_compiled_wrapper():
     if not torch.cuda.is_available():

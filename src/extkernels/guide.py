@@ -6,7 +6,6 @@ costs. The results page opens with it; chapter 12 derives it.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pandas as pd
@@ -131,27 +130,6 @@ def _registered(backend: str, operation: str) -> str:
     return "with a fake and no gradient formula, which the neighbours do not need"
 
 
-def _at_least(x: float, digits: int = 0) -> str:
-    """``x`` rounded down, for an "at least" claim."""
-    return f"{math.floor(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
-
-
-def _at_most(x: float, digits: int = 0) -> str:
-    """``x`` rounded up, for an "at most" claim."""
-    return f"{math.ceil(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
-
-
-def _against_normal(ratio: pd.Series) -> str:
-    """A method's time on every cloud over its time on the book's cloud, in words."""
-    others = ratio.drop("normal")
-    if others.max() <= 1.0:
-        return "no slower on any cloud than on the book's cloud"
-    return (
-        f"at most {_at_most(others.max(), 1)}× its time on the book's cloud, on every "
-        f"cloud (the slowest: {others.idxmax()})"
-    )
-
-
 def _cost(bench: pd.DataFrame, variant: str, backend: str) -> str:
     first = bench.loc[variant, "first_call_s"] if variant in bench.index else None
     when = (
@@ -191,6 +169,8 @@ def guide(
     cuml = results.at_size(times, 1_000_000, ["cuml"])["cuml"]
     search = CUML_SEARCHES[CUML_ALGORITHM]
     cuml_ms = f"{cuml.min():.0f} to {cuml.max():.0f} ms"
+    most_ms = results.at_most(tree["ms at 10⁶"].max(), 2)
+    least_x = results.at_least(tree["x cuml at 10⁶"].min())
     rows = [
         (
             "the PyTorch brute force, compiled (chapters 1 and 2)",
@@ -202,9 +182,9 @@ def guide(
             "the fused operators (chapters 11 and 14), "
             f"{_registered('fused', 'knn_aggregate')}; the step in one CUDA graph",
             _train(bench, "knn/fused+graphs"),
-            f"search at most {_at_most(tree['ms at 10⁶'].max(), 2)} ms at 10⁶ points "
-            f"on every cloud, {_at_least(tree['x cuml at 10⁶'].min())}× cuML or more; "
-            f"training step on CAD meshes within {_at_most(mesh_ratio, 2)}× the "
+            f"search at most {most_ms} ms at 10⁶ points on every cloud, "
+            f"{least_x}× cuML or more; "
+            f"training step on CAD meshes within {results.at_most(mesh_ratio, 2)}× the "
             "book's cloud",
             _cost(bench, "knn/fused+graphs", "fused"),
         ),
@@ -235,7 +215,7 @@ def guide(
             "the fused warp-per-query walk (chapter 11), "
             f"{_registered('fused', 'radius_aggregate')}, in one graph",
             _train(bench, "radius/fused+graphs"),
-            _against_normal(fused_x),
+            results.against_book_cloud(fused_x),
             _cost(bench, "radius/fused+graphs", "fused"),
         ),
         (

@@ -10,6 +10,7 @@ and :func:`anchor_table` turn it into the page's two tables.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -205,6 +206,28 @@ def clouds_table(df: pd.DataFrame) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows).set_index(["variant", "cloud"]).round(3)
+
+
+def at_least(x: float, digits: int = 0) -> str:
+    """``x`` rounded down, for an "at least" claim."""
+    return f"{math.floor(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
+
+
+def at_most(x: float, digits: int = 0) -> str:
+    """``x`` rounded up, for an "at most" claim."""
+    return f"{math.ceil(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
+
+
+def against_book_cloud(ratio: pd.Series) -> str:
+    """A method's time on every cloud over its time on the book's cloud (``normal``),
+    as a predicate for prose: "is no slower …" or "takes at most …×"."""
+    others = ratio.drop("normal")
+    if others.max() <= 1.0:
+        return "is no slower on any cloud than on the book's cloud"
+    return (
+        f"takes at most {at_most(others.max(), 1)}× its time on the book's cloud on "
+        f"every cloud (the slowest: {others.idxmax()})"
+    )
 
 
 # ---- chapter 14's geometry command (extkernels.experiments.geometry) -------------

@@ -235,6 +235,18 @@ def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
     )
 
 
+def against_goal(df: pd.DataFrame, name: str, metric: str, goal: float) -> str:
+    """Where variant ``name``'s repeated runs of ``metric`` (``forward`` or ``train``)
+    lie against a goal in ms, for prose: its median, then "within" or "above" the goal
+    "in every run", or "within … in some runs only" when the runs straddle it."""
+    median = df.loc[name, f"{metric}_ms"]
+    lo, hi = df.loc[name, f"{metric}_min"], df.loc[name, f"{metric}_max"]
+    if lo <= goal < hi:
+        return f"{median:.3f} ms, within the {goal:.2f} ms goal in some runs only"
+    where = "above" if lo > goal else "within"
+    return f"{median:.3f} ms, {where} the {goal:.2f} ms goal in every run"
+
+
 def ranked(a: tuple[float, float], b: tuple[float, float], *, same: str) -> str:
     """``"faster than"`` when time range ``a = (low, high)`` lies wholly below ``b``,
     ``"slower than"`` when wholly above, otherwise ``same`` (the ranges overlap)."""
