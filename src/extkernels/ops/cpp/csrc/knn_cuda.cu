@@ -8,7 +8,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -16,21 +15,12 @@
 #include "checks.h"
 #include "grid.h"
 #include "grid_cuda.cuh"
+#include "launch.cuh"
 
 namespace extkernels {
 namespace {
 
-constexpr int kThreads = 128;  // threads per block of the point-wise kernels
 constexpr int kSearchThreads = 64;  // of the search: more blocks, spread over more SMs
-
-int blocks_for(int64_t n, int threads = kThreads) {
-  return (int)((n + threads - 1) / threads);
-}
-
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
-         c10::cuda::CaptureStatus::None;
-}
 
 __global__ void grid_params_kernel(const float* lo, const float* hi, const float* sd,
                                    int64_t n, GridParams* out) {

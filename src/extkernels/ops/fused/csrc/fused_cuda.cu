@@ -30,7 +30,6 @@
 #include <ATen/OpMathType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -39,22 +38,12 @@
 #include "fused.h"
 #include "grid.h"
 #include "grid_cuda.cuh"
+#include "launch.cuh"
 #include "radius.h"
 #include "warp.cuh"
 
 namespace extkernels {
 namespace {
-
-constexpr int kThreads = 128;
-
-int blocks_for(int64_t n, int threads = kThreads) {
-  return (int)((n + threads - 1) / threads);
-}
-
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
-         c10::cuda::CaptureStatus::None;
-}
 
 struct Moments {
   float lo[3], hi[3];
@@ -196,7 +185,7 @@ SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, bool robust,
 template <int LANES>
 __device__ __forceinline__ unsigned group_mask() {
   if constexpr (LANES == 32) {
-    return 0xffffffffu;
+    return kFullWarp;
   } else {
     const unsigned lane = threadIdx.x & 31u;
     return ((1u << LANES) - 1u) << (lane & ~(unsigned)(LANES - 1));
@@ -499,7 +488,7 @@ __device__ __forceinline__ void test_32(const float* qp, const Point4* ref, int3
     w = inside ? expf(-d * inv_sigma) : 0.0f;
     index = p.index;
   }
-  chunk(__ballot_sync(0xffffffffu, inside), index, w);
+  chunk(__ballot_sync(kFullWarp, inside), index, w);
 }
 
 // The runs of sorted points that the box query +- radius covers, one column of cells
@@ -540,8 +529,8 @@ __device__ void for_chunks_warp(const Runs& r, const float* qp, const Point4* re
                                 float inv_sigma, int lane, Chunk&& chunk) {
   if (r.columns >= 0) {
     for (int c = 0; c < r.columns; ++c) {
-      const int32_t begin = __shfl_sync(0xffffffffu, r.begin, c);
-      const int32_t end = __shfl_sync(0xffffffffu, r.end, c);
+      const int32_t begin = __shfl_sync(kFullWarp, r.begin, c);
+      const int32_t end = __shfl_sync(kFullWarp, r.end, c);
       for (int32_t j0 = begin; j0 < end; j0 += 32) {
         test_32(qp, ref, j0, end, radius, inv_sigma, lane, chunk);
       }
@@ -572,8 +561,8 @@ __device__ void for_neighbours_warp(const Runs& r, const float* qp, const Point4
                   [&](unsigned found, int32_t index, float w) {
                     for (; found; found &= found - 1u) {
                       const int src = __ffs(found) - 1;
-                      visit((int64_t)__shfl_sync(0xffffffffu, index, src),
-                            __shfl_sync(0xffffffffu, w, src));
+                      visit((int64_t)__shfl_sync(kFullWarp, index, src),
+                            __shfl_sync(kFullWarp, w, src));
                     }
                   });
 }
@@ -721,8 +710,8 @@ __device__ __forceinline__ float add_rows(unsigned found, int32_t index, float w
     float wj[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int64_t rj = __shfl_sync(0xffffffffu, index, g + j);
-      wj[j] = __shfl_sync(0xffffffffu, w, g + j);
+      const int64_t rj = __shfl_sync(kFullWarp, index, g + j);
+      wj[j] = __shfl_sync(kFullWarp, w, g + j);
       const bool in = ((found >> (g + j)) & 1u) != 0u;
       x[j] = in && lane < f ? (acc_t)feats[rj * f + lane] : acc_t(0);
     }

@@ -27,13 +27,12 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "fused.h"
+#include "launch.cuh"
 #include "tree.h"
 #include "warp.cuh"
 
 namespace extkernels {
 namespace {
-
-constexpr unsigned kFull = 0xffffffffu;
 
 // The Morton sort (CUB's onesweep radix sort, six passes of 8 bits). CUB tunes it for
 // hundreds of millions of keys: on Hopper a block sorts 5,760 of these pairs per pass,
@@ -83,7 +82,6 @@ constexpr int kTreeThreads = 128;  // four warps, four queries per block
 constexpr int kWarps = kTreeThreads / 32;
 static_assert(kFanout == 32, "the kernels give one lane to each child of a node");
 
-int blocks_for(int64_t n, int threads) { return (int)((n + threads - 1) / threads); }
 
 // Partial boxes: block b writes lo[3], hi[3] of its stride of the points.
 __global__ void __launch_bounds__(kBoxThreads)
@@ -153,8 +151,8 @@ __device__ __forceinline__ void warp_box(NodeBox& b) {
   for (int o = 16; o > 0; o /= 2) {
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
-      b.lo[a] = fminf(b.lo[a], __shfl_xor_sync(kFull, b.lo[a], o));
-      b.hi[a] = fmaxf(b.hi[a], __shfl_xor_sync(kFull, b.hi[a], o));
+      b.lo[a] = fminf(b.lo[a], __shfl_xor_sync(kFullWarp, b.lo[a], o));
+      b.hi[a] = fmaxf(b.hi[a], __shfl_xor_sync(kFullWarp, b.hi[a], o));
     }
   }
 }
@@ -281,8 +279,8 @@ __device__ __forceinline__ void bitonic_sort(float& key, int32_t& val, int lane)
   for (int size = 2; size <= 32; size <<= 1) {
 #pragma unroll
     for (int stride = size / 2; stride > 0; stride >>= 1) {
-      const float other = __shfl_xor_sync(kFull, key, stride);
-      const int32_t other_val = __shfl_xor_sync(kFull, val, stride);
+      const float other = __shfl_xor_sync(kFullWarp, key, stride);
+      const int32_t other_val = __shfl_xor_sync(kFullWarp, val, stride);
       const bool ascending = (lane & size) == 0 || size == 32;
       const bool lower = (lane & stride) == 0;
       const bool smaller = other < key || (other == key && other_val < val);
@@ -301,14 +299,14 @@ __device__ __forceinline__ void list_insert(float (&d)[S], int32_t (&id)[S], flo
                                             int32_t ci, int lane) {
   int pos = 0;  // after the entries at most as far: the order of TopK::push (grid.h)
 #pragma unroll
-  for (int s = 0; s < S; ++s) pos += __popc(__ballot_sync(kFull, d[s] <= c));
+  for (int s = 0; s < S; ++s) pos += __popc(__ballot_sync(kFullWarp, d[s] <= c));
 #pragma unroll
   for (int s = S - 1; s >= 0; --s) {
-    float up = __shfl_up_sync(kFull, d[s], 1);
-    int32_t up_id = __shfl_up_sync(kFull, id[s], 1);
+    float up = __shfl_up_sync(kFullWarp, d[s], 1);
+    int32_t up_id = __shfl_up_sync(kFullWarp, id[s], 1);
     if (s > 0) {  // lane 0 takes the last element of the slot below
-      const float last = __shfl_sync(kFull, d[s > 0 ? s - 1 : 0], 31);
-      const int32_t last_id = __shfl_sync(kFull, id[s > 0 ? s - 1 : 0], 31);
+      const float last = __shfl_sync(kFullWarp, d[s > 0 ? s - 1 : 0], 31);
+      const int32_t last_id = __shfl_sync(kFullWarp, id[s > 0 ? s - 1 : 0], 31);
       if (lane == 0) {
         up = last;
         up_id = last_id;
@@ -330,15 +328,15 @@ __device__ __forceinline__ T list_get(const T (&v)[S], int e) {
   T x = v[0];
 #pragma unroll
   for (int s = 1; s < S; ++s) x = e / 32 == s ? v[s] : x;
-  return __shfl_sync(kFull, x, e % 32);
+  return __shfl_sync(kFullWarp, x, e % 32);
 }
 
 // A bitonic sequence across the warp sorted ascending, ties by val: 5 steps.
 __device__ __forceinline__ void bitonic_merge(float& key, int32_t& val, int lane) {
 #pragma unroll
   for (int stride = 16; stride > 0; stride >>= 1) {
-    const float other = __shfl_xor_sync(kFull, key, stride);
-    const int32_t other_val = __shfl_xor_sync(kFull, val, stride);
+    const float other = __shfl_xor_sync(kFullWarp, key, stride);
+    const int32_t other_val = __shfl_xor_sync(kFullWarp, val, stride);
     const bool lower = (lane & stride) == 0;
     const bool smaller = other < key || (other == key && other_val < val);
     if (lower == smaller) {
@@ -360,14 +358,14 @@ template <int S>
 __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
                                             int32_t (&id)[S], float& kth, float cap,
                                             int k, int lane) {
-  unsigned better = __ballot_sync(kFull, pd < kth);
+  unsigned better = __ballot_sync(kFullWarp, pd < kth);
   if (S == 1 && __popc(better) > kInsertLimit) {
     float c = pd < kth ? pd : INFINITY;
     int32_t ci = pd < kth ? pi : -1;
     bitonic_sort(c, ci, lane);
     // The 32 best of both: the list against the candidates in reverse, then sorted.
-    const float r = __shfl_sync(kFull, c, 31 - lane);
-    const int32_t ri = __shfl_sync(kFull, ci, 31 - lane);
+    const float r = __shfl_sync(kFullWarp, c, 31 - lane);
+    const int32_t ri = __shfl_sync(kFullWarp, ci, 31 - lane);
     if (r < d[0] || (r == d[0] && ri < id[0])) {
       d[0] = r;
       id[0] = ri;
@@ -378,8 +376,8 @@ __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
   }
   for (; better; better &= better - 1) {
     const int src = __ffs(better) - 1;
-    const float c = __shfl_sync(kFull, pd, src);
-    const int32_t ci = __shfl_sync(kFull, pi, src);
+    const float c = __shfl_sync(kFullWarp, pd, src);
+    const int32_t ci = __shfl_sync(kFullWarp, pi, src);
     if (c < kth) {
       list_insert<S>(d, id, c, ci, lane);
       kth = fminf(cap, list_get<S>(d, k - 1));
@@ -408,21 +406,21 @@ __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
   int end = count;  // where the lane's leaf ends in the windows: an inclusive scan
 #pragma unroll
   for (int o = 1; o < 32; o *= 2) {
-    const int below = __shfl_up_sync(kFull, end, o);
+    const int below = __shfl_up_sync(kFullWarp, end, o);
     if (lane >= o) end += below;
   }
   const int first = end - count;
-  const int total = __shfl_sync(kFull, end, 31);
+  const int total = __shfl_sync(kFullWarp, end, 31);
   for (int base = 0; base < total; base += 32) {
     const int t = base + lane;
     int j = 0;  // the last leaf starting at or before t
 #pragma unroll
     for (int step = 16; step > 0; step /= 2) {
-      const int at = __shfl_sync(kFull, first, j + step);
+      const int at = __shfl_sync(kFullWarp, first, j + step);
       if (j + step < n_leaves && at <= t) j += step;
     }
-    const float box = __shfl_sync(kFull, leaf.d2, j);
-    const int32_t s = __shfl_sync(kFull, begin, j) + (t - __shfl_sync(kFull, first, j));
+    const float box = __shfl_sync(kFullWarp, leaf.d2, j);
+    const int32_t s = __shfl_sync(kFullWarp, begin, j) + (t - __shfl_sync(kFullWarp, first, j));
     float pd = INFINITY;
     int32_t pi = -1;
     // (the first guess's points are in the list already)
@@ -479,7 +477,7 @@ __device__ __forceinline__ bool descend(const float* qp, const Point4* ref,
       const int64_t c = node * kFanout + lane;
       float cd = INFINITY;
       if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
-      const unsigned kept = __ballot_sync(kFull, cd < kth);
+      const unsigned kept = __ballot_sync(kFullWarp, cd < kth);
       if (!kept) continue;
       const int n_kept = __popc(kept);
       float key = cd < kth ? cd : INFINITY;
@@ -493,8 +491,8 @@ __device__ __forceinline__ bool descend(const float* qp, const Point4* ref,
       } else {  // few: each counts the ones before it
         for (unsigned rest = kept; rest; rest &= rest - 1) {
           const int src = __ffs(rest) - 1;
-          const float other = __shfl_sync(kFull, key, src);
-          const int32_t other_child = __shfl_sync(kFull, child, src);
+          const float other = __shfl_sync(kFullWarp, key, src);
+          const int32_t other_child = __shfl_sync(kFullWarp, child, src);
           rank += other < key || (other == key && other_child < child);
         }
       }
@@ -523,7 +521,7 @@ __device__ __forceinline__ void finish(const float (&d)[S], const int32_t (&id)[
                                        int64_t row, int k, float inv_sigma,
                                        const float* feats, int64_t f, float* out,
                                        float* values, int64_t* idx, int lane) {
-  const float nearest = sqrtf(__shfl_sync(kFull, d[0], 0));
+  const float nearest = sqrtf(__shfl_sync(kFullWarp, d[0], 0));
   float w[S], total = 0.0f;
 #pragma unroll
   for (int s = 0; s < S; ++s) {
@@ -599,7 +597,7 @@ __global__ void __launch_bounds__(kTreeThreads)
       const int64_t step = (hi - lo + 31) / 32;
       const int64_t at = lo + lane * step;
       const bool below = at < hi && codes[at] < qcode;
-      const int last = 31 - __clz(__ballot_sync(kFull, below) | 1u);
+      const int last = 31 - __clz(__ballot_sync(kFullWarp, below) | 1u);
       const int64_t new_lo = lo + last * step;
       hi = new_lo + step < hi ? new_lo + step : hi;
       lo = new_lo;
@@ -695,7 +693,7 @@ __global__ void __launch_bounds__(kTeamThreads)
         key = box_dist2(qp, load_box(nodes, L.offset[level] + node));
         key = key < cap ? key : INFINITY;
       }
-      const int n_kept = __popc(__ballot_sync(kFull, key < INFINITY));
+      const int n_kept = __popc(__ballot_sync(kFullWarp, key < INFINITY));
       int32_t mine = (int32_t)node;
       bitonic_sort(key, mine, lane);
       if (lane < n_kept) stack[n_kept - 1 - lane] = TreeEntry{entry_key(mine, level), key};

@@ -3,13 +3,15 @@
 // on every call.
 #pragma once
 
+#include "launch.cuh"
+
 namespace extkernels {
 namespace {
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFullWarp, v, o);
   return v;
 }
 
