@@ -15,6 +15,7 @@ __all__ = [
     "DEFAULT_LANES",
     "INDEXES",
     "LANES",
+    "defines",
     "sources",
     "load",
 ]
@@ -24,16 +25,27 @@ CSRC = Path(__file__).parent / "csrc"
 #: Threads per query the kNN kernels are built for (``lanes``).
 LANES = (1, 4, 8, 16, 32)
 
-#: The default, the fastest at the book's sizes on the H200 (chapter 11); the schemas in
-#: ``csrc/fused.cpp`` hold the same number.
+#: The default, the fastest at the book's sizes on the H200 (chapter 11).
 DEFAULT_LANES = 4
 
 #: The kNN operators' indexes: the wide tree over the points in Morton order (chapter
 #: 14) and chapter 9's uniform grid (searched with ``lanes`` threads per query).
 INDEXES = ("tree", "grid")
 
-#: The default index; the schemas in ``csrc/fused.cpp`` hold the same name.
+#: The default index.
 DEFAULT_INDEX = "tree"
+
+
+def defines() -> list[str]:
+    """The constants above as the C++ sources read them (``csrc/fused.h``): the group
+    sizes the kernels are built for, as the bits of one number (powers of two up to a
+    warp; nvcc would split a list at its commas), and the schemas' defaults."""
+    assert all(n & (n - 1) == 0 and 1 <= n <= 32 for n in LANES), LANES
+    return [
+        f"-DEK_LANES_BITS={sum(1 << (n.bit_length() - 1) for n in LANES)}",
+        f"-DEK_DEFAULT_LANES={DEFAULT_LANES}",
+        f"-DEK_DEFAULT_INDEX={DEFAULT_INDEX}",
+    ]
 
 
 def sources(cuda: bool) -> list[Path]:
@@ -53,8 +65,8 @@ def load(verbose: bool = False) -> None:
         name="extkernels_fused_cuda" if cuda else "extkernels_fused",
         sources=[str(p) for p in sources(cuda)],
         extra_include_paths=[str(cpp_build.CSRC)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-lineinfo"],
+        extra_cflags=["-O3", *defines()],
+        extra_cuda_cflags=["-O3", "-lineinfo", *defines()],
         with_cuda=cuda,
         is_python_module=False,
         verbose=verbose,

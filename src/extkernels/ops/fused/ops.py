@@ -76,9 +76,8 @@ def _check_index(index: str) -> str:
 
 def _check_lanes(lanes: int) -> int:
     if lanes not in LANES:
-        raise ValueError(
-            f"lanes: expected 1, 4, 8, 16 or 32 threads per query, got {lanes}"
-        )
+        built = ", ".join(str(n) for n in LANES[:-1]) + f" or {LANES[-1]}"
+        raise ValueError(f"lanes: expected {built} threads per query, got {lanes}")
     return lanes
 
 

@@ -268,12 +268,13 @@ at::Tensor radius_aggregate_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
 
 TORCH_LIBRARY(extkernels_fused, m) {
   m.def(
-      "knn(Tensor p_query, Tensor p_ref, int k, int lanes=4, str index=\"tree\")"
-      " -> (Tensor, Tensor)");
+      "knn(Tensor p_query, Tensor p_ref, int k, " EK_SEARCH_DEFAULTS
+      ") -> (Tensor, Tensor)");
   m.def(
       "knn_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, int k, float sigma,"
-      " int lanes=4, str index=\"tree\") -> (Tensor, Tensor, Tensor)");
-  m.def("knn_work(Tensor p_query, Tensor p_ref, int k, str index=\"tree\") -> Tensor");
+      " " EK_SEARCH_DEFAULTS ") -> (Tensor, Tensor, Tensor)");
+  m.def("knn_work(Tensor p_query, Tensor p_ref, int k, str index=\"" EK_STR(
+      EK_DEFAULT_INDEX) "\") -> Tensor");
   m.def(
       "radius_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, float radius,"
       " float sigma, bool warp=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");

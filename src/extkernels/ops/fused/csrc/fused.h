@@ -7,11 +7,34 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "checks.h"
 #include "grid.h"
 
+// The group sizes the kNN kernels are built for and the schemas' defaults are written
+// once, in build.py (LANES, DEFAULT_LANES, DEFAULT_INDEX), which hands them to the
+// compiler as EK_LANES_BITS (bit b set: groups of 2^b lanes), EK_DEFAULT_LANES and
+// EK_DEFAULT_INDEX.
+#if !defined(EK_LANES_BITS) || !defined(EK_DEFAULT_LANES) || !defined(EK_DEFAULT_INDEX)
+#error "build with extkernels.ops.fused.build.load(), which defines the EK_ constants"
+#endif
+#define EK_STR_(x) #x
+#define EK_STR(x) EK_STR_(x)
+// The search operators' last arguments, with their defaults.
+#define EK_SEARCH_DEFAULTS \
+  "int lanes=" EK_STR(EK_DEFAULT_LANES) ", str index=\"" EK_STR(EK_DEFAULT_INDEX) "\""
+
 namespace extkernels {
+
+// Group sizes are powers of two up to a warp: 2^0 to 2^kMaxLanesLog2.
+constexpr int kMaxLanesLog2 = 5;
+constexpr bool lanes_built(int64_t lanes) {
+  for (int b = 0; b <= kMaxLanesLog2; ++b) {
+    if (((EK_LANES_BITS >> b) & 1) && lanes == (int64_t{1} << b)) return true;
+  }
+  return false;
+}
 
 // The grid as operator outputs: (n, 4) sorted points, (cell_capacity(n) + 1,) int32
 // cell starts, GridParams as (sizeof(GridParams),) uint8 (the fakes read both sizes
@@ -24,9 +47,14 @@ struct SavedGrid {
 using RadiusOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 inline void check_lanes(int64_t lanes) {
-  TORCH_CHECK_VALUE(lanes == 1 || lanes == 4 || lanes == 8 || lanes == 16 || lanes == 32,
-                    msg("lanes: expected 1, 4, 8, 16 or 32 threads per query, got ",
-                        lanes));
+  std::string expected;  // "1, 4, 8, 16 or 32"
+  for (int b = 0, last = 31 - __builtin_clz(EK_LANES_BITS); b <= last; ++b) {
+    if (!((EK_LANES_BITS >> b) & 1)) continue;
+    if (!expected.empty()) expected += b == last ? " or " : ", ";
+    expected += std::to_string(1 << b);
+  }
+  TORCH_CHECK_VALUE(lanes_built(lanes), msg("lanes: expected ", expected, " threads per query, got ",
+                               lanes));
 }
 
 // The tree of tree.h on the GPU (tree_cuda.cu): sorted points (n, 4) float32, their

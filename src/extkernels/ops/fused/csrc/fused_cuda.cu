@@ -185,7 +185,7 @@ SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, bool robust,
 template <int LANES>
 __device__ __forceinline__ unsigned group_mask() {
   if constexpr (LANES == 32) {
-    return kFullWarp;
+    return 0xffffffffu;
   } else {
     const unsigned lane = threadIdx.x & 31u;
     return ((1u << LANES) - 1u) << (lane & ~(unsigned)(LANES - 1));
@@ -322,6 +322,28 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Launches the kernel for the group size `lanes`, one of the sizes 2^B built; false if
+// none matches. Lists of more than 16 neighbours are built for one lane only.
+template <int KMAX, bool SOFTMAX, int... B>
+bool launch_group(std::integer_sequence<int, B...>, int64_t lanes, int blocks,
+                  cudaStream_t stream, const float* q, int64_t m, const Point4* ref,
+                  const int32_t* start, const GridParams* params, int k, float inv_sigma,
+                  const float* feats, int64_t f, float* out, float* values,
+                  int64_t* idx) {
+  auto one = [&](auto size) {
+    constexpr int G = decltype(size)::value;
+    if constexpr (!lanes_built(G) || (KMAX > 16 && G != 1)) {
+      return false;
+    } else {
+      if (lanes != G) return false;
+      knn_lanes_kernel<KMAX, G, SOFTMAX><<<blocks, kThreads, 0, stream>>>(
+          q, m, ref, start, params, k, inv_sigma, feats, f, out, values, idx);
+      return true;
+    }
+  };
+  return (one(std::integral_constant<int, 1 << B>{}) || ...);
+}
+
 template <int KMAX, bool SOFTMAX>
 void launch_lanes(int64_t lanes, int64_t m, cudaStream_t stream, const float* q,
                   const Point4* ref, const int32_t* start, const GridParams* params,
@@ -331,25 +353,10 @@ void launch_lanes(int64_t lanes, int64_t m, cudaStream_t stream, const float* q,
   // across lanes would cost more registers than it saves.
   if (KMAX > 16) lanes = 1;
   const int blocks = blocks_for(m * lanes);
-#define EK_LANES_CASE(L)                                                              \
-  case L:                                                                             \
-    knn_lanes_kernel<KMAX, L, SOFTMAX><<<blocks, kThreads, 0, stream>>>(              \
-        q, m, ref, start, params, k, inv_sigma, feats, f, out, values, idx);          \
-    break;
-  if constexpr (KMAX > 16) {
-    switch (lanes) { EK_LANES_CASE(1) }
-  } else {
-    switch (lanes) {
-      EK_LANES_CASE(1)
-      EK_LANES_CASE(4)
-      EK_LANES_CASE(8)
-      EK_LANES_CASE(16)
-      EK_LANES_CASE(32)
-      default:
-        TORCH_CHECK_VALUE(false, msg("lanes: unsupported value ", lanes));
-    }
-  }
-#undef EK_LANES_CASE
+  const bool launched = launch_group<KMAX, SOFTMAX>(
+      std::make_integer_sequence<int, kMaxLanesLog2 + 1>{}, lanes, blocks, stream, q, m,
+      ref, start, params, k, inv_sigma, feats, f, out, values, idx);
+  TORCH_CHECK_VALUE(launched, msg("lanes: unsupported value ", lanes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -488,7 +495,7 @@ __device__ __forceinline__ void test_32(const float* qp, const Point4* ref, int3
     w = inside ? expf(-d * inv_sigma) : 0.0f;
     index = p.index;
   }
-  chunk(__ballot_sync(kFullWarp, inside), index, w);
+  chunk(__ballot_sync(0xffffffffu, inside), index, w);
 }
 
 // The runs of sorted points that the box query +- radius covers, one column of cells
@@ -529,8 +536,8 @@ __device__ void for_chunks_warp(const Runs& r, const float* qp, const Point4* re
                                 float inv_sigma, int lane, Chunk&& chunk) {
   if (r.columns >= 0) {
     for (int c = 0; c < r.columns; ++c) {
-      const int32_t begin = __shfl_sync(kFullWarp, r.begin, c);
-      const int32_t end = __shfl_sync(kFullWarp, r.end, c);
+      const int32_t begin = __shfl_sync(0xffffffffu, r.begin, c);
+      const int32_t end = __shfl_sync(0xffffffffu, r.end, c);
       for (int32_t j0 = begin; j0 < end; j0 += 32) {
         test_32(qp, ref, j0, end, radius, inv_sigma, lane, chunk);
       }
@@ -561,8 +568,8 @@ __device__ void for_neighbours_warp(const Runs& r, const float* qp, const Point4
                   [&](unsigned found, int32_t index, float w) {
                     for (; found; found &= found - 1u) {
                       const int src = __ffs(found) - 1;
-                      visit((int64_t)__shfl_sync(kFullWarp, index, src),
-                            __shfl_sync(kFullWarp, w, src));
+                      visit((int64_t)__shfl_sync(0xffffffffu, index, src),
+                            __shfl_sync(0xffffffffu, w, src));
                     }
                   });
 }
@@ -710,8 +717,8 @@ __device__ __forceinline__ float add_rows(unsigned found, int32_t index, float w
     float wj[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int64_t rj = __shfl_sync(kFullWarp, index, g + j);
-      wj[j] = __shfl_sync(kFullWarp, w, g + j);
+      const int64_t rj = __shfl_sync(0xffffffffu, index, g + j);
+      wj[j] = __shfl_sync(0xffffffffu, w, g + j);
       const bool in = ((found >> (g + j)) & 1u) != 0u;
       x[j] = in && lane < f ? (acc_t)feats[rj * f + lane] : acc_t(0);
     }
