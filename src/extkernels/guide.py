@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from . import results
 from .ops import registry
@@ -21,7 +20,6 @@ __all__ = [
     "GLOSSARY",
     "ROWS",
     "guide",
-    "has_autograd",
     "source_lines",
     "toolchain",
 ]
@@ -42,7 +40,7 @@ ROWS = {
 
 #: Whether the custom operator of a (backend, operation) has an autograd formula, as
 #: its chapter registers it: the guide's words follow it, and the tests check it
-#: against the dispatcher (:func:`has_autograd`, ``tests/test_guide_words.py``).
+#: against the dispatcher (``tests/test_guide_words.py``).
 #: cuML's operator is only the search: the neighbours need no gradient, and PyTorch's
 #: gather after it carries the features' (chapter 3).
 AUTOGRAD = {
@@ -106,20 +104,6 @@ def source_lines(backend: str) -> int:
         if f.suffix in {".py", ".cu", ".cuh", ".cpp", ".h"}
     ]
     return sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
-
-
-def has_autograd(qualname: str) -> bool:
-    """Whether the operator ``qualname`` (``"lib::name"``, already defined in this
-    process) has an autograd formula. A ``custom_op`` or ``triton_op`` always has a
-    kernel at the dispatcher's Autograd key, one that raises without a formula, so its
-    definition is asked instead; an operator defined in C++ (``TORCH_LIBRARY``) has an
-    Autograd kernel only once ``register_autograd`` gave it one."""
-    from torch._library.custom_ops import _maybe_get_opdef
-
-    opdef = _maybe_get_opdef(qualname)
-    if opdef is not None:
-        return opdef._backward_fn is not None
-    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
 
 
 def _registered(backend: str, operation: str) -> str:

@@ -144,18 +144,10 @@ def show_ptx(text: str, start: str, end: str | None = None) -> object:
 
 
 def decorated(obj):
-    """The Python function behind a decorated one: a torch.library custom operator
-    keeps it as ``_init_fn`` (a ``triton_op``, inside the wrapper it keeps there), a
-    Warp kernel or function as ``func``, a Triton kernel (or Triton's interpreter
-    running one) as ``fn`` (anything else is returned as it is)."""
-    if getattr(obj, "_init_fn", None) is not None:
-        fn = obj._init_fn
-        inner = [
-            cell.cell_contents
-            for cell in fn.__closure__ or ()
-            if inspect.isfunction(cell.cell_contents)
-        ]
-        return inner[0] if fn.__name__ == "backend_fn" and len(inner) == 1 else fn
+    """The Python function behind a decorated one: a Warp kernel or function keeps it
+    as ``func``, a Triton kernel (or Triton's interpreter running one) as ``fn``
+    (anything else is returned as it is). The chapters type their operators'
+    registrations, so no listing shows a custom operator."""
     if getattr(obj, "func", None) is not None:
         return obj.func
     triton_kernel = type(obj).__name__ in ("JITFunction", "InterpretedFunction")
