@@ -291,9 +291,27 @@ def test_cuda_graph_replays_the_gather_and_scatter():
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 def test_one_build_per_shape():
     feats = torch.randn(500, 32, device="cuda")
-    before = len(kernels.gather._cubin_handles)
+    before = len(ptx_tiers.builds(kernels.gather))
     table = ptx_tiers.build_costs(feats, 7, [1111, 1112, 1111 + 1])
     assert list(table["builds held"]) == [before + 1, before + 2, before + 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+def test_pyptx_operator_is_the_build_for_the_shapes_asked():
+    feats = torch.randn(300, 16, device="cuda")
+    found = {}
+    for m in (333, 334):  # two builds of the same kernel; the first must be found
+        weights = torch.rand(m, 5, device="cuda")
+        indices = torch.randint(0, 300, (m, 5), device="cuda")
+        expected = kernels.gather(weights, indices, feats)
+        found[m] = (weights, indices, expected)
+    weights, indices, expected = found[333]
+    shapes = ptx_tiers.gather_shapes(weights, feats)
+    op = ptx_tiers.pyptx_operator(kernels.gather, **shapes)
+    (got,) = op([weights, indices, feats])
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 # ------------------------------------------------------- chapter 10's helpers

@@ -17,6 +17,7 @@ from conftest import DEVICES
 
 import extkernels
 from extkernels import timing
+from extkernels.experiments import traits
 from extkernels.experiments import warp_interop as wi
 from extkernels.experiments import warp_radius as wr
 from extkernels.models import Projector, RadiusAggregation
@@ -524,9 +525,9 @@ def test_forward_and_backward_do_not_wait_for_the_gpu(kind):
         torch.cuda.synchronize()
         done = torch.cuda.Event()
         previous = torch.cuda.get_sync_debug_mode()
+        traits.spin(1000.0)  # a second of work queued before ours
         torch.cuda.set_sync_debug_mode("error")  # PyTorch-side synchronisations raise
         try:
-            torch.cuda._sleep(2_000_000_000)  # about a second on a GPU at 2 GHz
             forward_backward()
             done.record()
             assert not done.query(), "the host waited for the GPU"
@@ -549,7 +550,7 @@ def test_runs_on_a_side_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # work queued before ours on the side stream
+        traits.spin(50.0)  # work queued before ours on the side stream
         f = feats.clone().requires_grad_(True)
         out = warp_op(p_query, p_ref, f)
         out.sum().backward()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pandas as pd
 import torch
-from pyptx import torch_support
+from pyptx.jax_support import get_cubin_registry
 from triton.testing import do_bench
 
 from ..graphs import CapturedStep
@@ -28,6 +28,7 @@ from ..ops.triton import ops as triton_ops
 from ..timing import first_call_seconds, ranked, time_blocks, verdict
 
 __all__ = [
+    "builds",
     "pyptx_operator",
     "call_costs",
     "kernel_times",
@@ -52,11 +53,31 @@ CALL_ROWS = {
 }
 
 
-def pyptx_operator(kernel) -> Callable:
-    """The custom operator pyptx registered for ``kernel``'s last build
-    (``pyptx::kernel_<handle>``: a list of tensors in, a list out)."""
-    _, key = kernel._last_cache_hit
-    return torch_support._REGISTERED_OPS[kernel._cubin_handles[key]]
+def builds(kernel) -> list[int]:
+    """pyptx's handles of ``kernel``'s builds in this process, oldest first: the
+    records of pyptx's cubin registry (handles 1, 2, ... in the order built) that carry
+    the kernel's name."""
+    registry = get_cubin_registry()
+    records = (registry.get(h) for h in range(1, len(registry) + 1))
+    return [r.handle for r in records if r and r.kernel_name == kernel.__name__]
+
+
+def gather_shapes(weights, feats) -> dict[str, int]:
+    """The sizes the PTX gather is built for: ``M`` queries, ``K`` neighbours, ``N``
+    points, ``F`` features."""
+    return dict(
+        M=weights.shape[0], K=weights.shape[1], N=feats.shape[0], F=feats.shape[1]
+    )
+
+
+def pyptx_operator(kernel, **shapes: int) -> Callable:
+    """The custom operator pyptx registered for ``kernel`` built for ``shapes``
+    (``pyptx::kernel_<handle>``: a list of tensors in, a list out): the build whose
+    PTX is the kernel's for those sizes."""
+    ptx = kernel.ptx(**shapes)
+    registry = get_cubin_registry()
+    handle = next(h for h in builds(kernel) if registry.get(h).ptx_source == ptx)
+    return getattr(torch.ops.pyptx, f"kernel_{handle}")
 
 
 def call_costs(
@@ -70,7 +91,7 @@ def call_costs(
     args = (weights, indices, feats)
     ours = torch.ops.extkernels_ptx.gather
     kernels.gather(*args)  # builds this shape (and pyptx's operator for it)
-    theirs = pyptx_operator(kernels.gather)
+    theirs = pyptx_operator(kernels.gather, **gather_shapes(weights, feats))
     compiled = torch.compile(lambda w, i, f: ours(w, i, f), fullgraph=True)
     ways: dict[str, Callable[[], object]] = {
         "pyptx kernel object (its C++ bridge)": lambda: kernels.gather(*args),
@@ -181,7 +202,7 @@ def build_costs(feats, k: int, sizes: list[int], *, seed: int = 0) -> pd.DataFra
                 "first call (ms)": first * 1e3,
                 "of which tracing (ms)": trace_s * 1e3,
                 "second call (ms)": second * 1e3,
-                "builds held": len(kernels.gather._cubin_handles),
+                "builds held": len(builds(kernels.gather)),
             }
         )
     return pd.DataFrame(rows).set_index("M")

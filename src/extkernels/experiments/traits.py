@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -33,31 +34,35 @@ from .. import clouds
 from ..ops.checks import value_checks
 from . import geometry
 
-__all__ = ["captures", "load", "probe", "waits", "main"]
+__all__ = ["captures", "load", "probe", "spin", "waits", "main"]
 
 SPIN_MS = 50.0
 _MODULE = "extkernels.experiments.traits"
 
 
-def _spin(ms: float) -> None:
-    """Queue a kernel that spins for about ``ms`` milliseconds."""
+def spin(ms: float, side: int = 4096) -> None:
+    """Queue at least ``ms`` milliseconds of GPU work on the current stream and return
+    at once: float32 matrix products of ``side`` x ``side``, as many as one of them,
+    timed first (the only synchronisation), says fill ``ms``."""
+    a = torch.rand(side, side, device="cuda")
     start, end = (
         torch.cuda.Event(enable_timing=True),
         torch.cuda.Event(enable_timing=True),
     )
+    torch.mm(a, a)  # the library's first call, not timed
     start.record()
-    torch.cuda._sleep(1_000_000)
+    torch.mm(a, a)
     end.record()
     end.synchronize()
-    cycles_per_ms = 1_000_000 / start.elapsed_time(end)
-    torch.cuda._sleep(int(ms * cycles_per_ms))
+    for _ in range(math.ceil(ms / start.elapsed_time(end))):
+        torch.mm(a, a)
 
 
 def waits(search) -> bool:
     """True when ``search()`` returns only after the GPU's queued work is done."""
     search()
     torch.cuda.synchronize()
-    _spin(SPIN_MS)
+    spin(SPIN_MS)
     t0 = time.perf_counter()
     search()
     host_ms = (time.perf_counter() - t0) * 1e3
