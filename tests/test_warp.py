@@ -7,8 +7,10 @@ Warp compiles its kernels once per machine and device (cached in ~/.cache/warp),
 the first run of this file pays for it.
 """
 
+import gc
 import subprocess
 import sys
+import weakref
 
 import pandas as pd
 import pytest
@@ -342,6 +344,16 @@ def test_cached_descriptors_equal_fresh_ones(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_kept_descriptor_does_not_keep_its_tensor_alive(device):
+    t = torch.randn(64, 3, device=device)
+    alive = weakref.ref(t)
+    interop.descriptor(t, interop.warp().vec3)  # kept in the cache
+    del t
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_recorded_launch_follows_changed_arguments(device):
     # A replayed launch writes only the arguments that changed: new tensors at new
     # addresses, a new sigma, a tensor at an address seen before. Each call must match
@@ -540,6 +552,27 @@ def test_forward_and_backward_do_not_wait_for_the_gpu(kind):
     f.grad = None
     forward_backward()
     torch.testing.assert_close(f.grad, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changed", ["p_query", "p_ref"])
+def test_a_cloud_changed_in_place_after_the_forward_is_refused_by_the_backward(
+    device, changed
+):
+    """PyTorch's check of the tensors saved for the backward stops a backward over a
+    cloud written since its forward, before the pool is asked for its grid."""
+    p_query, p_ref, feats = problem(device)
+    f = feats.clone().requires_grad_(True)
+    out = warp_op(p_query, p_ref, f)
+    {"p_query": p_query, "p_ref": p_ref}[changed].mul_(1.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    # a new forward on the changed cloud gets its own grid: the gradient is exact
+    f.grad = None
+    warp_op(p_query, p_ref, f).square().sum().backward()
+    grad_out = 2 * warp_op(p_query, p_ref, feats)
+    _, expected = reference_grad(p_query, p_ref, feats, grad_out, torch.float64)
+    torch.testing.assert_close(f.grad, expected.float(), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.gpu

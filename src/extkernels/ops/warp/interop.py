@@ -147,16 +147,15 @@ def descriptor(t: torch.Tensor, dtype: Any = None) -> Any:
     ``dtype`` is the Warp element type when it is not the tensor's own (``wp.vec3`` for
     a cloud).
 
-    ``wp.from_torch`` attaches the tensor to its descriptor, to keep it alive while the
-    descriptor is in use; a kept descriptor must not keep it (nor, through it, its
-    autograd graph), so that reference is dropped: the caller holds the tensor while the
-    kernel that reads it is queued, and the allocator's stream order does the rest.
+    A kept descriptor must not keep the tensor alive (nor, through it, its autograd
+    graph): ``wp.from_torch`` makes a Warp array that holds the tensor, and only that
+    array's C descriptor (``__ctype__``: pointers, shape and strides as numbers) is
+    kept. The caller holds the tensor while the kernel that reads it is queued, and the
+    allocator's stream order does the rest.
     """
 
     def make() -> Any:
-        desc = warp().from_torch(t, dtype=dtype, requires_grad=False, return_ctype=True)
-        desc._ref = desc._gradref = None
-        return desc
+        return warp().from_torch(t, dtype=dtype, requires_grad=False).__ctype__()
 
     key = ("desc", t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, dtype)
     return DESCRIPTORS.get(key, make)
