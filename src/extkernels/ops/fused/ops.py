@@ -42,22 +42,17 @@ def cell_capacity(n: int) -> int:
     return max(CELLS_PER_POINT * n, 1)
 
 
-#: The most queries of the kNN operators: the tree search hands its long queries to a
-#: second kernel in a list of ``int32_t`` rows (``heavy``, ``tree_cuda.cu``); one limit
-#: for either index. (The reference cloud's is chapter 9's ``MAX_POINTS``, read from
-#: the library.)
-MAX_QUERIES = torch.iinfo(torch.int32).max
-#: The most queries of the radius aggregation: its dense queries' lists hold ``int32_t``
-#: rows too, and the kernel that works through them (``radius_dense_fwd_kernel``,
-#: ``fused_cuda.cu``) steps an ``int`` through a list by a grid's width of teams, some
-#: thousands: the step past a list of nearly 2^31 rows would wrap. Half leaves room.
-MAX_RADIUS_QUERIES = 2**30
+#: The most queries of the kNN operators (the tree search lists query rows as 32-bit
+#: integers) and of the radius aggregation (its lists too, stepped through by ``int``),
+#: read from the library (``kMaxQueries``, ``kMaxRadiusQueries`` in ``fused.h``). The
+#: reference cloud's is chapter 9's ``MAX_POINTS``.
+MAX_QUERIES, MAX_RADIUS_QUERIES = (int(v) for v in _ops.limits())
 
 
 def check_queries(op: str, p_query) -> None:
     """At most :data:`MAX_QUERIES` queries (``op`` ``"knn"`` or ``"knn_aggregate"``) or
-    :data:`MAX_RADIUS_QUERIES` (``"radius_aggregate"``): run by the fakes and, as the
-    C++ kernels do not check it, by the backend's entry points."""
+    :data:`MAX_RADIUS_QUERIES` (``"radius_aggregate"``): run by the fakes and the
+    backend's entry points (the CUDA operators check it too)."""
     if op == "radius_aggregate":
         limit = MAX_RADIUS_QUERIES
         why = "the fused radius kernels list query rows, and step through the lists, "

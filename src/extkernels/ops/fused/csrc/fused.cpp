@@ -287,6 +287,10 @@ TORCH_LIBRARY(extkernels_fused, m) {
   m.def("grid_layout() -> int[]", []() {
     return std::vector<int64_t>{(int64_t)sizeof(GridParams), cell_capacity(1)};
   });
+  // The most queries of the kNN operators and of the radius aggregation (fused.h).
+  m.def("limits() -> int[]", []() {
+    return std::vector<int64_t>{kMaxQueries, kMaxRadiusQueries};
+  });
 }
 
 TORCH_LIBRARY_IMPL(extkernels_fused, CPU, m) {

@@ -46,6 +46,22 @@ struct SavedGrid {
 // radius_aggregate_fwd: the output, each query's total weight, and the grid.
 using RadiusOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// The most queries of the kNN operators: the tree search hands its long queries to a
+// second kernel in a list of int32_t rows (`heavy`, tree_cuda.cu); one limit for either
+// index. Python reads it, with kMaxRadiusQueries, from the operator limits.
+constexpr int64_t kMaxQueries = 2147483647;  // INT32_MAX
+// The most queries of the radius aggregation: its dense queries' lists hold int32_t rows
+// too, and radius_dense_fwd_kernel (fused_cuda.cu) steps an int through a list by a
+// grid's width of teams, some thousands: the step past a list of nearly 2^31 rows would
+// wrap. Half leaves room.
+constexpr int64_t kMaxRadiusQueries = int64_t{1} << 30;
+
+inline void check_queries(const at::Tensor& p_query, int64_t limit, const char* why) {
+  TORCH_CHECK_VALUE(p_query.size(0) <= limit, msg("p_query: expected at most ", limit,
+                                                  " queries (", why, "), got ",
+                                                  p_query.size(0)));
+}
+
 inline void check_lanes(int64_t lanes) {
   std::string expected;  // "1, 4, 8, 16 or 32"
   for (int b = 0, last = 31 - __builtin_clz(EK_LANES_BITS); b <= last; ++b) {

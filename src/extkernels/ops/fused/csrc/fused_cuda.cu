@@ -391,6 +391,8 @@ std::tuple<at::Tensor, at::Tensor> knn_cuda(const at::Tensor& p_query,
                                             const at::Tensor& p_ref, int64_t k,
                                             int64_t lanes, c10::string_view index) {
   check_clouds(p_query, p_ref);
+  check_queries(p_query, kMaxQueries,
+                "the fused tree search lists query rows as 32-bit integers");
   check_k(k, p_ref.size(0));
   check_lanes(lanes);
   const Index which = check_index(index);
@@ -407,6 +409,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> knn_aggregate_fwd_cuda(
     const at::Tensor& p_query, const at::Tensor& p_ref, const at::Tensor& feats,
     int64_t k, double sigma, int64_t lanes, c10::string_view index) {
   check_clouds(p_query, p_ref);
+  check_queries(p_query, kMaxQueries,
+                "the fused tree search lists query rows as 32-bit integers");
   check_feats(feats, p_ref);
   check_k(k, p_ref.size(0));
   check_sigma(sigma);
@@ -885,6 +889,9 @@ RadiusOut radius_aggregate_fwd_cuda(const at::Tensor& p_query, const at::Tensor&
                                     const at::Tensor& feats, double radius, double sigma,
                                     bool warp) {
   check_radius_args(p_query, p_ref, feats, radius, sigma);
+  check_queries(p_query, kMaxRadiusQueries,
+                "the fused radius kernels list query rows, and step through the lists, "
+                "with 32-bit integers");
   const c10::cuda::CUDAGuard guard(p_query.device());
   check_finite(p_query, p_ref, capturing());
   // Cells as wide as the radius: a box query +- radius spans 2 or 3 cells per axis
