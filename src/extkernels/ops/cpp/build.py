@@ -2,7 +2,9 @@
 compiles the sources of ``csrc/`` into PyTorch's extension cache on first use and loads
 the library, whose ``TORCH_LIBRARY`` block registers the operators
 (``torch.ops.extkernels_cpp``). Where a CUDA GPU and ``nvcc`` are present the CUDA
-kernels are built beside the CPU ones, for this GPU's architecture only."""
+kernels are built beside the CPU ones, for this GPU's architecture only. Where the
+``extkernels-native`` wheel holds a library built from these sources for this PyTorch,
+it is loaded instead (:mod:`~extkernels.ops.prebuilt`)."""
 
 import functools
 import os
@@ -13,11 +15,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .. import prebuilt
+
 __all__ = [
     "CSRC",
     "sources",
     "load",
     "build_seconds",
+    "prebuilt_path",
     "arch_list",
     "summary",
     "stable_coverage",
@@ -25,8 +30,11 @@ __all__ = [
 
 CSRC = Path(__file__).parent / "csrc"
 
-#: Seconds the first :func:`load` of this process took (a build, or a cache hit).
+#: Seconds the first :func:`load` of this process took (a build, a cache hit, or the
+#: prebuilt library's load).
 build_seconds: float | None = None
+#: The prebuilt library :func:`load` loaded, or ``None`` where it built just in time.
+prebuilt_path: Path | None = None
 
 
 def sources(cuda: bool) -> list[Path]:
@@ -43,21 +51,35 @@ def _with_cuda() -> bool:
 
 
 def arch_list() -> str | None:
-    """The GPU architectures the CUDA kernels are built for (``None`` without CUDA)."""
-    return os.environ.get("TORCH_CUDA_ARCH_LIST") if _with_cuda() else None
+    """The GPU architectures just-in-time builds compile the CUDA kernels for: this
+    GPU's, unless ``TORCH_CUDA_ARCH_LIST`` says otherwise (``None`` without CUDA)."""
+    if not _with_cuda():
+        return None
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+        major, minor = torch.cuda.get_device_capability()
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # this GPU only
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 @functools.cache
 def load(verbose: bool = False) -> None:
-    """Compile (or find in the cache) and load the extension, once per process."""
-    global build_seconds
+    """Load the prebuilt library, or compile (or find in the cache) and load the
+    extension, once per process."""
+    global build_seconds, prebuilt_path
+    start = time.perf_counter()
+    path = prebuilt.find("cpp", [CSRC], [], cuda=torch.cuda.is_available())
+    if path is not None:
+        torch.ops.load_library(path)
+        prebuilt_path = path
+    else:
+        _build(verbose)
+    build_seconds = time.perf_counter() - start
+
+
+def _build(verbose: bool) -> None:
     from torch.utils import cpp_extension
 
-    cuda = _with_cuda()
-    if cuda and "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # this GPU only
-    start = time.perf_counter()
+    cuda = arch_list() is not None
     cpp_extension.load(
         name="extkernels_cpp_cuda" if cuda else "extkernels_cpp",
         sources=[str(p) for p in sources(cuda)],
@@ -67,7 +89,6 @@ def load(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
-    build_seconds = time.perf_counter() - start
 
 
 def summary() -> pd.DataFrame:

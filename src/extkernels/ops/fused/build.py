@@ -1,12 +1,16 @@
 """Building the fused backend just in time (chapter 11), the way chapter 9 builds the
 C++ backend: ``torch.utils.cpp_extension.load`` compiles ``csrc/`` into PyTorch's
 extension cache, for this GPU only. Chapter 9's library is loaded first: the fused CPU
-kernels reach its kernels through the dispatcher, and its build has chosen the GPU
-architecture."""
+kernels reach its kernels through the dispatcher. Where the ``extkernels-native``
+wheel holds a library built from these sources and constants for this PyTorch, it is
+loaded instead (:mod:`~extkernels.ops.prebuilt`)."""
 
 import functools
 from pathlib import Path
 
+import torch
+
+from .. import prebuilt
 from ..cpp import build as cpp_build
 
 __all__ = [
@@ -56,10 +60,16 @@ def sources(cuda: bool) -> list[Path]:
 
 @functools.cache
 def load(verbose: bool = False) -> None:
-    """Compile (or find in the cache) and load the library, once per process."""
+    """Load the prebuilt library, or compile (or find in the cache) and load it, once
+    per process."""
     from torch.utils import cpp_extension
 
     cpp_build.load()
+    dirs, flags = [CSRC, cpp_build.CSRC], defines()
+    path = prebuilt.find("fused", dirs, flags, cuda=torch.cuda.is_available())
+    if path is not None:
+        torch.ops.load_library(path)
+        return
     cuda = cpp_build.arch_list() is not None
     cpp_extension.load(
         name="extkernels_fused_cuda" if cuda else "extkernels_fused",

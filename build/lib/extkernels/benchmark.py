@@ -1,0 +1,248 @@
+"""The benchmark command: every variant of the running example, timed by the book's
+protocol (chapter 1 introduces it; every chapter's timing tables come from it).
+
+    python -m extkernels.benchmark     # every variant that runs here, 5 runs each
+    python -m extkernels.benchmark --variants knn/torch,knn/torch+compile --repeats 3
+
+Every variant runs ``--repeats`` times, each in a fresh Python process (a process
+carries everything that ran before it, and host-bound variants pay for it). Prints one
+table: the median forward and training milliseconds per iteration with their spread
+(min-max over the runs), speedups over the eager brute force of the same workload
+(ratios of medians), peak memory and the first call's seconds (compile included,
+measured cold in the first run). Writes it as JSON with the hardware, versions, sizes,
+date and every run's timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pandas as pd
+
+from . import variants as V
+from .notebook import versions
+from .problem import problem
+from .timing import timings_frame
+
+__all__ = ["run_all", "main"]
+
+
+def _run_isolated(name: str, *, cold: bool = True) -> list[dict]:
+    """``name`` timed in a fresh Python process; ``cold=False`` lets its first call use
+    the compiler's on-disk caches (and report no first-call time)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "extkernels.benchmark",
+            "--variants",
+            name,
+            "--rows-only",
+            out,
+        ]
+        # The child's warnings (graph breaks a variant makes on purpose, one-time
+        # messages of the libraries) would repeat in every run: shown only on failure.
+        child = subprocess.run(
+            cmd + ([] if cold else ["--warm-start"]), capture_output=True, text=True
+        )
+        if child.returncode != 0:
+            raise RuntimeError(
+                f"variant {name} failed in its process:\n{child.stderr[-4000:]}"
+            )
+        with open(out) as f:
+            return json.load(f)
+
+
+def run_all(
+    names: list[str] | None = None,
+    *,
+    repeats: int = 1,
+    isolate: bool = True,
+    fresh: bool = False,
+    verbose: bool = True,
+) -> pd.DataFrame:
+    """Time the named variants (default: all that can run here) and return the table.
+
+    With ``repeats > 1`` every variant runs that many times, each in a fresh Python
+    process; the first run measures its first call cold (no compiler cache), the later
+    ones may reuse the caches. With one repeat, variants marked ``isolated`` still run
+    in a process of their own (unless ``isolate`` is false), and with ``fresh`` every
+    variant does. The chapters time with ``repeats=problem().repeats``, as the benchmark
+    command does.
+
+    Returns:
+        DataFrame indexed by variant (see :func:`~extkernels.timing.timings_frame`):
+        median ``forward_ms`` and ``train_ms`` with ``*_min``/``*_max`` and ``repeats``,
+        ``forward_speedup`` and ``train_speedup`` over the eager brute force of the same
+        workload, ``peak_mb``, ``first_call_s`` and the sizes.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats: expected at least 1 run per variant, got {repeats}")
+    prob = problem()
+    chosen = [V.get(n) for n in names] if names else [v for v in V.VARIANTS]
+    rows = []
+    for v in chosen:
+        if not v.available():
+            print(f"skip {v.name}: {v.unavailable_reason()}", flush=True)
+            continue
+        if verbose:
+            print(f"run  {v.name}", flush=True)
+        if repeats > 1 or fresh or (v.isolated and isolate):
+            for r in range(repeats):
+                rows += _run_isolated(v.name, cold=r == 0)
+        else:
+            rows.append(V.run(v, prob))
+    if not rows:
+        raise SystemExit("no chosen variant can run on this machine (see --list)")
+    return frame(rows)
+
+
+def frame(rows: list[dict]) -> pd.DataFrame:
+    """Runs of several workloads as one table, speedups within each workload over its
+    eager brute force; every run's row kept in ``attrs["runs"]`` for the JSON record."""
+    workloads = dict.fromkeys(r["workload"] for r in rows)
+    df = pd.concat(
+        [
+            timings_frame(
+                [r for r in rows if r["workload"] == w], baseline=f"{w}/torch"
+            )
+            for w in workloads
+        ]
+    )
+    df.attrs["runs"] = rows
+    return df
+
+
+def _write(path: str, df: pd.DataFrame, meta: dict) -> None:
+    with open(path, "w") as f:
+        # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject
+        # NaN.
+        rows = json.loads(df.reset_index().to_json(orient="records"))
+        runs = json.loads(pd.DataFrame(df.attrs["runs"]).to_json(orient="records"))
+        json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1)
+    print(f"wrote {path}")
+
+
+def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
+    """Several files of this command, from one machine, as one: the runs of every file,
+    the table rebuilt from them (so speedups use the baseline wherever it was timed).
+    A variant timed again in a later file keeps only the later file's runs: a
+    re-measurement replaces the old one, never mixes with it. The meta of the first
+    file, with the dates of all and, for a component whose version differs between
+    the files, every value."""
+    metas, runs = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        again = {r["variant"] for r in data["runs"]}
+        runs = [r for r in runs if r["variant"] not in again] + data["runs"]
+    hardware = {m["hardware"] for m in metas}
+    if len(hardware) != 1:
+        raise ValueError(
+            f"paths: expected files from one machine, got {sorted(hardware)}"
+        )
+    meta = {
+        **metas[0],
+        "date": ", ".join(m["date"] for m in metas),
+        "versions": _joined([m.get("versions", {}) for m in metas]),
+    }
+    return meta, frame(runs)
+
+
+def _joined(versions: list[dict]) -> dict:
+    """One record of the files' software and hardware: a component that differs
+    between files (another host CPU, a newer driver) lists each value once, in order,
+    so a merged file never claims one value for runs that had another."""
+    keys = dict.fromkeys(k for v in versions for k in v)
+    return {
+        k: "; ".join(dict.fromkeys(str(v[k]) for v in versions if k in v)) for k in keys
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m extkernels.benchmark", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--variants", help="comma-separated variant names (default: all)")
+    ap.add_argument(
+        "--json",
+        default="benchmark.json",
+        help="where to write the table (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="runs per variant, each in a fresh process",
+    )
+    ap.add_argument("--list", action="store_true", help="list the variants and exit")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        help="merge files of this command into --json",
+    )
+    ap.add_argument("--rows-only", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.list:
+        for v in V.VARIANTS:
+            print(
+                f"{v.name:28s} chapter {v.chapter:2d}  "
+                f"{'runs here' if v.available() else 'not here'}"
+            )
+        return 0
+    if args.merge:
+        meta, df = merge(args.merge)
+        _write(args.json, df, meta)
+        return 0
+    names = args.variants.split(",") if args.variants else None
+    if args.rows_only:  # child process of an isolated variant
+        prob = problem()
+        with open(args.rows_only, "w") as f:
+            json.dump(
+                [V.run(V.get(n), prob, cold=not args.warm_start) for n in names], f
+            )
+        return 0
+    df = run_all(names, repeats=args.repeats)
+    cols = [
+        "forward_ms",
+        "forward_min",
+        "forward_max",
+        "train_ms",
+        "train_min",
+        "train_max",
+    ]
+    cols += ["forward_speedup", "train_speedup", "peak_mb", "first_call_s"]
+    with pd.option_context(
+        "display.width", 200, "display.float_format", "{:.3f}".format
+    ):
+        print(df[[c for c in cols if c in df]].to_string())
+    prob = problem()
+    meta = {
+        "hardware": prob.hardware,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "repeats": args.repeats,
+        "versions": versions()["version"].to_dict(),
+        "sizes": {
+            "n_ref": prob.n_ref,
+            "n_ref_radius": prob.n_ref_radius,
+            "n_query": prob.n_query,
+        },
+    }
+    _write(args.json, df, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

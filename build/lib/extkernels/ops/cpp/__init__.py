@@ -1,0 +1,81 @@
+"""The ``cpp`` backend (chapter 9): an exact kNN search on a uniform grid, and the
+aggregation, in C++ (CPU) and CUDA C++ (GPU), registered with ``TORCH_LIBRARY``.
+
+The sources live in ``csrc/`` and are built just in time on first use
+(:mod:`~.build`); :mod:`~.ops` then registers the fake implementations and the
+autograd formula from Python. The backend is available wherever a C++ compiler and
+ninja are installed (and, for CUDA tensors, ``nvcc``).
+"""
+
+import functools
+import shutil
+
+import torch
+
+from ..checks import value_checks_on, values_checked
+from ..registry import Backend, register
+
+__all__ = ["BACKEND", "available", "call", "prepare"]
+
+
+@functools.cache
+def available() -> bool:
+    """A C++ compiler and ninja are installed (nothing is built here)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    return bool(compiler) and is_ninja_available()
+
+
+@torch.compiler.assume_constant_result
+def prepare() -> bool:
+    """Build (or find in the cache) and load the operators, once per process. Run
+    eagerly even while ``torch.compile`` traces a caller: the compiler sees only its
+    result."""
+    from . import ops  # noqa: F401  (builds, loads and registers)
+
+    return True
+
+
+def call(op, *args, switch=None):
+    """``op(*args)`` for an operator whose C++ kernels check values themselves: inside
+    an entry point, which has just checked them, the kernels' own switch (``switch``,
+    by default this library's ``set_value_checks``) is off for the call."""
+    if torch.compiler.is_compiling() or values_checked() or not value_checks_on():
+        return op(*args)  # the kernels check the values if, and only if, they must
+    switch = switch or torch.ops.extkernels_cpp.set_value_checks
+    previous = switch(False)
+    try:
+        return op(*args)
+    finally:
+        switch(previous)
+
+
+def _call(name, *args):
+    prepare()
+    return call(getattr(torch.ops.extkernels_cpp, name), *args)
+
+
+def _knn(p_query, p_ref, k):
+    return _call("knn", p_query, p_ref, k)
+
+
+def _knn_aggregate(p_query, p_ref, feats, k, sigma):
+    return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma)[0]
+
+
+BACKEND = register(
+    Backend(
+        "cpp",
+        available=available,
+        knn=_knn,
+        knn_aggregate=_knn_aggregate,
+        operators={
+            "knn": "extkernels_cpp::knn",
+            "knn_aggregate": "extkernels_cpp::knn_aggregate_fwd",
+        },
+        chapter=9,
+        toolchain="nvcc and a C++ compiler; compiled once per machine",
+        prepare=prepare,
+    )
+)

@@ -1,0 +1,145 @@
+"""The C++ operators' Python half (chapter 9): the library is built and loaded, then
+the fake implementations and the autograd formula are registered on operators whose
+schemas and kernels live in C++ (``csrc/knn.cpp``, ``csrc/knn_cuda.cu``).
+
+The fakes run the same checks of metadata as the C++ kernels (they raise the same
+errors), so a compiled caller fails at trace time. The C++ kernels check values
+(finite coordinates) themselves; Python's ``value_checks`` switch reaches them through
+the ``set_value_checks`` operator.
+"""
+
+import torch
+
+from .. import checks
+from ..checks import check_index_limit, check_knn, check_knn_aggregate
+from . import build
+
+__all__ = [
+    "FEATS_DTYPES",
+    "MAX_K",
+    "MAX_POINTS",
+    "check_max_points",
+    "knn",
+    "knn_aggregate",
+    "gather",
+    "knn_aggregate_fwd_fake",
+    "register_knn_autograd",
+]
+
+build.load()
+
+#: Dtypes of the features the aggregation takes (the C++ kernels dispatch on them; the
+#: public entry points take float32).
+FEATS_DTYPES = (torch.float32, torch.float64, torch.float16)
+_ops = torch.ops.extkernels_cpp
+checks.on_value_checks(_ops.set_value_checks)
+
+#: The most neighbours the kernels keep per query (kMaxK in grid.h), and the most
+#: reference points they take (kMaxPoints in checks.h), read from the library.
+MAX_K, MAX_POINTS = (int(v) for v in _ops.limits())
+
+
+def check_max_points(p_ref) -> None:
+    """At most :data:`MAX_POINTS` reference points, as the C++ kernels ask (checks.h):
+    the same message, from the fakes."""
+    check_index_limit(
+        "p_ref",
+        "points",
+        p_ref.shape[0],
+        MAX_POINTS,
+        "the kernels index cells and points with 32-bit integers",
+    )
+
+
+def check_max_k(k: int) -> int:
+    if k > MAX_K:
+        raise ValueError(
+            f"k: expected k <= {MAX_K} (the C++ kernels keep at most that many "
+            f"neighbours), got {k}"
+        )
+    return k
+
+
+@torch.library.register_fake("extkernels_cpp::knn")
+def knn_fake(p_query, p_ref, k):
+    k = check_knn(p_query, p_ref, k, values=False)
+    check_max_points(p_ref)
+    k = check_max_k(k)
+    m = p_query.shape[0]
+    return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
+@torch.library.register_fake("extkernels_cpp::knn_aggregate_fwd")
+def knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma):
+    """What the compiler runs instead of the kernels (chapter 9): their checks of
+    metadata, then empty ``out`` ``(M, F)``, ``weights`` ``(M, k)`` and ``indices``
+    ``(M, k)`` int64, as the C++ operator returns."""
+    k, _ = check_knn_aggregate(
+        p_query, p_ref, feats, k, sigma, values=False, feats_dtypes=FEATS_DTYPES
+    )
+    check_max_points(p_ref)
+    check_max_k(k)
+    m = p_query.shape[0]
+    return (
+        feats.new_empty((m, feats.shape[1])),
+        p_query.new_empty((m, k)),
+        p_query.new_empty((m, k), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("extkernels_cpp::knn_aggregate_bwd")
+def _knn_aggregate_bwd_fake(grad_out, weights, indices, n_ref):
+    return grad_out.new_empty((n_ref, grad_out.shape[1]))
+
+
+@torch.library.register_fake("extkernels_cpp::gather")
+def _gather_fake(weights, indices, feats, vector_loads=False):
+    return feats.new_empty((weights.shape[0], feats.shape[1]))
+
+
+def register_knn_autograd(op: str) -> None:
+    """Give the kNN aggregation operator ``op`` its autograd formula (chapter 9; chapter
+    11's fused operator registers the same one). Its forward returns ``(out, weights,
+    indices)``: ``setup_context`` keeps the softmax weights ``(M, k)`` float32 and the
+    neighbours ``(M, k)`` int64, and the backward scatters ``grad_out`` ``(M, F)``
+    through them into the features' gradient ``(N, F)`` with
+    ``extkernels_cpp::knn_aggregate_bwd``. Only ``feats``, the third input, gets one."""
+
+    def setup_context(ctx, inputs, output):
+        _, p_ref, *_ = inputs
+        _, weights, indices = output
+        ctx.save_for_backward(weights, indices)
+        ctx.n_ref = p_ref.shape[0]
+
+    def backward(ctx, grad_out, _grad_weights, _grad_indices):
+        weights, indices = ctx.saved_tensors
+        grad_feats = None
+        if ctx.needs_input_grad[2]:
+            grad_feats = _ops.knn_aggregate_bwd(
+                grad_out.contiguous(), weights, indices, ctx.n_ref
+            )
+        others = (None,) * (len(ctx.needs_input_grad) - 3)  # k, sigma, any options
+        return None, None, grad_feats, *others
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+
+register_knn_autograd("extkernels_cpp::knn_aggregate_fwd")
+
+
+def knn(p_query, p_ref, k):
+    """Exact k nearest neighbours by the C++ kernels: distances ``(M, k)`` float32
+    ascending, indices ``(M, k)`` int64."""
+    return _ops.knn(p_query, p_ref, k)
+
+
+def knn_aggregate(p_query, p_ref, feats, k, sigma):
+    """The kNN aggregation by the C++ kernels, differentiable in ``feats``: ``(M,
+    F)``."""
+    return _ops.knn_aggregate_fwd(p_query, p_ref, feats, k, sigma)[0]
+
+
+def gather(weights, indices, feats, vector_loads=False):
+    """The aggregation's second kernel alone: ``out[q] = sum_j weights[q, j] *
+    feats[indices[q, j]]``, reading feature rows as float4 with ``vector_loads``."""
+    return _ops.gather(weights, indices, feats, vector_loads)

@@ -1,0 +1,99 @@
+"""The public entry points: one per operation, every backend behind it (chapter 1).
+
+Each entry point checks its arguments once, by the contract of
+:mod:`~extkernels.ops.checks`, looks up the backend (:mod:`~extkernels.ops.registry`)
+and calls it with value checks off, since they just ran. Extra keyword arguments go to
+the backend (for example ``chunk_size`` of the torch backend, ``backward`` of the warp
+backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import call_checked, check_knn, check_knn_aggregate, check_radius_aggregate
+from .registry import lookup
+
+__all__ = ["knn", "knn_aggregate", "radius_aggregate"]
+
+
+def knn(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    *,
+    backend: str = "torch",
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` nearest reference points of every query (Euclidean).
+
+    Args:
+        p_query: ``(M, 3)`` float32 query points.
+        p_ref: ``(N, 3)`` float32 reference points, on the same device.
+        k: neighbours per query, ``1 <= k <= N``.
+        backend: one of :func:`~extkernels.ops.registry.backends` ``("knn")``.
+
+    Returns:
+        distances: ``(M, k)`` float32, ascending along each row.
+        indices: ``(M, k)`` int64 rows of ``p_ref``.
+    """
+    k = check_knn(p_query, p_ref, k)
+    fn = lookup("knn", backend, p_query.device)
+    return call_checked(fn, p_query, p_ref, k, **options)
+
+
+def knn_aggregate(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    k: int,
+    sigma: float,
+    *,
+    backend: str = "torch",
+    **options,
+) -> torch.Tensor:
+    """kNN-weighted aggregation: features of the k nearest reference points, weighted by
+    ``softmax(-distance / sigma)``, summed onto each query. Differentiable in ``feats``.
+
+    Args:
+        p_query: ``(M, 3)`` float32.
+        p_ref: ``(N, 3)`` float32.
+        feats: ``(N, F)`` float32 features of the reference points.
+        k: neighbours per query, ``1 <= k <= N``.
+        sigma: softmax length scale, > 0.
+
+    Returns:
+        ``(M, F)`` float32.
+    """
+    k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
+    fn = lookup("knn_aggregate", backend, p_query.device)
+    return call_checked(fn, p_query, p_ref, feats, k, sigma, **options)
+
+
+def radius_aggregate(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    feats: torch.Tensor,
+    radius: float,
+    sigma: float,
+    *,
+    backend: str = "torch",
+    **options,
+) -> torch.Tensor:
+    """Radius-bounded aggregation: features of every reference point within ``radius``,
+    weighted by ``exp(-distance / sigma)`` normalised per query; zeros for a query with
+    no neighbour. Differentiable in ``feats``.
+
+    Args:
+        p_query: ``(M, 3)`` float32.
+        p_ref: ``(N, 3)`` float32.
+        feats: ``(N, F)`` float32.
+        radius: neighbourhood radius, > 0.
+        sigma: weight length scale, > 0.
+
+    Returns:
+        ``(M, F)`` float32.
+    """
+    radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    fn = lookup("radius_aggregate", backend, p_query.device)
+    return call_checked(fn, p_query, p_ref, feats, radius, sigma, **options)

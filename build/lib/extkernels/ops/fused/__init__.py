@@ -1,0 +1,139 @@
+"""The ``fused`` backend (chapters 11 and 14): the fastest exact projectors of the book,
+in CUDA C++, for both workloads.
+
+- ``knn`` and ``knn_aggregate``: by default (``index="tree"``, chapter 14) a wide tree
+  over the points in Morton order, searched by one warp per query, which stays fast on
+  any geometry; with ``index="grid"`` (chapter 11) chapter 9's grid, built with fewer
+  kernels, searched by a group of ``lanes`` threads per query (4 by default) that merge
+  their lists with warp shuffles. Either way the softmax and the gather run in the
+  search's kernel; the backward is chapter 9's scatter.
+- ``radius_aggregate``: the same grid, walked over the cells that a query's ball
+  overlaps by one warp per query (``warp=False``: one thread per (query, feature)); the
+  forward hands the grid to the backward as outputs of the operator, so the backward
+  does not build it again.
+
+On the CPU the kNN operators walk the same tree (or run chapter 9's kernels for the
+grid: the lanes are a GPU matter) and the radius operators the same walk in C++. The
+sources live in ``csrc/`` beside the C++ backend's headers, which they include; the
+library is built just in time like chapter 9's (:mod:`~.build`).
+"""
+
+import torch
+
+from .. import checks, cpp
+from ..registry import Backend, register
+from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
+
+__all__ = [
+    "BACKEND",
+    "DEFAULT_INDEX",
+    "DEFAULT_LANES",
+    "INDEXES",
+    "LANES",
+    "available",
+    "knn_work",
+    "prepare",
+    "radius_aggregate_with_totals",
+]
+
+
+@torch.compiler.assume_constant_result
+def prepare() -> bool:
+    """Build (or find in the cache) and load the operators, once per process. Run
+    eagerly even while ``torch.compile`` traces a caller."""
+    from . import ops  # noqa: F401  (builds, loads and registers)
+
+    return True
+
+
+def available() -> bool:
+    """Chapter 9's requirements: a C++ compiler and ninja (and ``nvcc`` for CUDA)."""
+    return cpp.available()
+
+
+def _call(name, *args):
+    prepare()
+    return cpp.call(
+        getattr(torch.ops.extkernels_fused, name),
+        *args,
+        switch=torch.ops.extkernels_fused.set_value_checks,
+    )
+
+
+def _check_queries(op: str, p_query) -> None:
+    """The kernels' limit on the queries (:func:`~.ops.check_queries`), which the C++
+    operators do not check themselves: their fakes and these entry points do."""
+    prepare()
+    from .ops import check_queries
+
+    check_queries(op, p_query)
+
+
+def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES, index: str = DEFAULT_INDEX):
+    _check_queries("knn", p_query)
+    return _call("knn", p_query, p_ref, k, lanes, index)
+
+
+def _knn_aggregate(
+    p_query,
+    p_ref,
+    feats,
+    k,
+    sigma,
+    *,
+    lanes: int = DEFAULT_LANES,
+    index: str = DEFAULT_INDEX,
+):
+    _check_queries("knn_aggregate", p_query)
+    return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes, index)[0]
+
+
+def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:
+    """What each query's search does, replayed on the CPU (chapter 14): ``(M, 2)``
+    int64, the cells (``index="grid"``) or node boxes (``"tree"``) it looks into and
+    the reference points whose distance it computes. The walks are the GPU kernels'
+    (the grid's rings of chapter 9, the tree's nearest-box-first descent), so the work
+    is the same wherever the tensors live; on the GPU a tree walk past 128 steps (64
+    in a cloud of up to 2^18 points) is finished by a team of warps, each walking a
+    share of the tree."""
+    k = checks.check_knn(p_query, p_ref, k)
+    return _call("knn_work", p_query.cpu(), p_ref.cpu(), k, index)
+
+
+def _radius_aggregate(p_query, p_ref, feats, radius, sigma, *, warp: bool = True):
+    _check_queries("radius_aggregate", p_query)
+    return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp)[0]
+
+
+def radius_aggregate_with_totals(
+    p_query, p_ref, feats, radius, sigma, *, warp: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The radius aggregation ``(M, F)`` and each query's total weight ``(M,)``, the
+    sum of ``exp(-distance / sigma)`` over its neighbours (0 for none): ``out *
+    total`` is the unnormalised sum, which shards of a cloud add up (chapter 13).
+    Differentiable in ``feats``; the totals carry no gradient."""
+    radius, sigma = checks.check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    _check_queries("radius_aggregate", p_query)
+    out, totals, *_ = checks.call_checked(
+        _call, "radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp
+    )
+    return out, totals
+
+
+BACKEND = register(
+    Backend(
+        "fused",
+        available=available,
+        knn=_knn,
+        knn_aggregate=_knn_aggregate,
+        radius_aggregate=_radius_aggregate,
+        operators={
+            "knn": "extkernels_fused::knn",
+            "knn_aggregate": "extkernels_fused::knn_aggregate_fwd",
+            "radius_aggregate": "extkernels_fused::radius_aggregate_fwd",
+        },
+        chapter=11,
+        toolchain=cpp.BACKEND.toolchain,  # chapter 9's
+        prepare=prepare,
+    )
+)

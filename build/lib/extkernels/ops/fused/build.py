@@ -1,0 +1,83 @@
+"""Building the fused backend just in time (chapter 11), the way chapter 9 builds the
+C++ backend: ``torch.utils.cpp_extension.load`` compiles ``csrc/`` into PyTorch's
+extension cache, for this GPU only. Chapter 9's library is loaded first: the fused CPU
+kernels reach its kernels through the dispatcher. Where the ``extkernels-native``
+wheel holds a library built from these sources and constants for this PyTorch, it is
+loaded instead (chapter 15, :mod:`~extkernels.ops.prebuilt`)."""
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .. import prebuilt
+from ..cpp import build as cpp_build
+
+__all__ = [
+    "CSRC",
+    "DEFAULT_INDEX",
+    "DEFAULT_LANES",
+    "INDEXES",
+    "LANES",
+    "defines",
+    "sources",
+    "load",
+]
+
+CSRC = Path(__file__).parent / "csrc"
+
+#: Threads per query the kNN kernels are built for (``lanes``).
+LANES = (1, 4, 8, 16, 32)
+
+#: The default, the fastest at the book's sizes on the H200 (chapter 11).
+DEFAULT_LANES = 4
+
+#: The kNN operators' indexes: the wide tree over the points in Morton order (chapter
+#: 14) and chapter 9's uniform grid (searched with ``lanes`` threads per query).
+INDEXES = ("tree", "grid")
+
+#: The default index.
+DEFAULT_INDEX = "tree"
+
+
+def defines() -> list[str]:
+    """The constants above as the C++ sources read them (``csrc/fused.h``): the group
+    sizes the kernels are built for, as the bits of one number (powers of two up to a
+    warp; nvcc would split a list at its commas), and the schemas' defaults."""
+    assert all(n & (n - 1) == 0 and 1 <= n <= 32 for n in LANES), LANES
+    return [
+        f"-DEK_LANES_BITS={sum(1 << (n.bit_length() - 1) for n in LANES)}",
+        f"-DEK_DEFAULT_LANES={DEFAULT_LANES}",
+        f"-DEK_DEFAULT_INDEX={DEFAULT_INDEX}",
+    ]
+
+
+def sources(cuda: bool) -> list[Path]:
+    """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
+    files = [CSRC / "fused.cpp"]
+    return files + [CSRC / "fused_cuda.cu", CSRC / "tree_cuda.cu"] if cuda else files
+
+
+@functools.cache
+def load(verbose: bool = False) -> None:
+    """Load the prebuilt library, or compile (or find in the cache) and load it, once
+    per process."""
+    from torch.utils import cpp_extension
+
+    cpp_build.load()
+    dirs, flags = [CSRC, cpp_build.CSRC], defines()
+    path = prebuilt.find("fused", dirs, flags, cuda=torch.cuda.is_available())
+    if path is not None:
+        torch.ops.load_library(path)
+        return
+    cuda = cpp_build.arch_list() is not None
+    cpp_extension.load(
+        name="extkernels_fused_cuda" if cuda else "extkernels_fused",
+        sources=[str(p) for p in sources(cuda)],
+        extra_include_paths=[str(cpp_build.CSRC)],
+        extra_cflags=["-O3", *defines()],
+        extra_cuda_cflags=["-O3", "-lineinfo", *defines()],
+        with_cuda=cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )

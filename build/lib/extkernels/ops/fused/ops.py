@@ -1,0 +1,172 @@
+"""The fused operators' Python half (chapter 11): the library is built and loaded, then
+the fakes and the autograd formulas are registered on operators whose schemas and
+kernels live in C++ (``csrc/``).
+
+The kNN aggregation's backward is chapter 9's scatter
+(``extkernels_cpp::knn_aggregate_bwd``). The radius aggregation's forward returns,
+beside its output, each query's total weight and the grid it built (sorted points,
+cell starts and the grid's parameters as bytes); they are saved for the backward, which
+walks the same grid without building it again.
+"""
+
+import torch
+
+from .. import checks
+from ..checks import check_index_limit, check_knn, check_radius_aggregate
+from ..cpp import ops as cpp_ops
+from . import build
+from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
+
+__all__ = [
+    "GRID_PARAMS_BYTES",
+    "CELLS_PER_POINT",
+    "MAX_QUERIES",
+    "MAX_RADIUS_QUERIES",
+    "cell_capacity",
+    "check_queries",
+]
+
+build.load()
+
+_ops = torch.ops.extkernels_fused
+checks.on_value_checks(_ops.set_value_checks)
+
+#: Bytes of the grid's parameters (``GridParams`` in the C++ backend's ``grid.h``) and
+#: the grid's cells per reference point, read from the library.
+GRID_PARAMS_BYTES, CELLS_PER_POINT = (int(v) for v in _ops.grid_layout())
+
+
+def cell_capacity(n: int) -> int:
+    """Cells of the grid's workspace for a cloud of ``n`` points (``grid.h``'s
+    ``cell_capacity``)."""
+    return max(CELLS_PER_POINT * n, 1)
+
+
+#: The most queries of the kNN operators (the tree search lists query rows as 32-bit
+#: integers) and of the radius aggregation (its lists too, stepped through by ``int``),
+#: read from the library (``kMaxQueries``, ``kMaxRadiusQueries`` in ``fused.h``). The
+#: reference cloud's is chapter 9's ``MAX_POINTS``.
+MAX_QUERIES, MAX_RADIUS_QUERIES = (int(v) for v in _ops.limits())
+
+
+def check_queries(op: str, p_query) -> None:
+    """At most :data:`MAX_QUERIES` queries (``op`` ``"knn"`` or ``"knn_aggregate"``) or
+    :data:`MAX_RADIUS_QUERIES` (``"radius_aggregate"``): run by the fakes and the
+    backend's entry points (the CUDA operators check it too)."""
+    if op == "radius_aggregate":
+        limit = MAX_RADIUS_QUERIES
+        why = "the fused radius kernels list query rows, and step through the lists, "
+        why += "with 32-bit integers"
+    else:
+        limit = MAX_QUERIES
+        why = "the fused tree search lists query rows as 32-bit integers"
+    check_index_limit("p_query", "queries", p_query.shape[0], limit, why)
+
+
+def _check_index(index: str) -> str:
+    if index not in INDEXES:
+        raise ValueError(f'index: expected "tree" or "grid", got "{index}"')
+    return index
+
+
+def _check_lanes(lanes: int) -> int:
+    if lanes not in LANES:
+        built = ", ".join(str(n) for n in LANES[:-1]) + f" or {LANES[-1]}"
+        raise ValueError(f"lanes: expected {built} threads per query, got {lanes}")
+    return lanes
+
+
+@torch.library.register_fake("extkernels_fused::knn")
+def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
+    k = check_knn(p_query, p_ref, k, values=False)
+    cpp_ops.check_max_points(p_ref)
+    k = cpp_ops.check_max_k(k)
+    check_queries("knn", p_query)
+    _check_lanes(lanes)
+    _check_index(index)
+    m = p_query.shape[0]
+    return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
+@torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")
+def _knn_aggregate_fwd_fake(
+    p_query, p_ref, feats, k, sigma, lanes=DEFAULT_LANES, index=DEFAULT_INDEX
+):
+    _check_lanes(lanes)
+    _check_index(index)
+    out = cpp_ops.knn_aggregate_fwd_fake(p_query, p_ref, feats, k, sigma)
+    check_queries("knn_aggregate", p_query)
+    return out
+
+
+@torch.library.register_fake("extkernels_fused::knn_work")
+def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
+    check_knn(p_query, p_ref, k, values=False)
+    cpp_ops.check_max_points(p_ref)
+    _check_index(index)
+    return p_query.new_empty((p_query.shape[0], 2), dtype=torch.int64)
+
+
+# The forward returns chapter 9's (out, weights, indices): its backward is chapter 9's.
+cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_fwd")
+
+
+@torch.library.register_fake("extkernels_fused::radius_aggregate_fwd")
+def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma, warp=True):
+    check_radius_aggregate(
+        p_query,
+        p_ref,
+        feats,
+        radius,
+        sigma,
+        values=False,
+        feats_dtypes=cpp_ops.FEATS_DTYPES,
+    )
+    cpp_ops.check_max_points(p_ref)
+    check_queries("radius_aggregate", p_query)
+    m, n = p_query.shape[0], p_ref.shape[0]
+    return (
+        feats.new_empty((m, feats.shape[1])),
+        p_query.new_empty((m,)),
+        p_ref.new_empty((n, 4)),
+        p_ref.new_empty((cell_capacity(n) + 1,), dtype=torch.int32),
+        p_ref.new_empty((GRID_PARAMS_BYTES,), dtype=torch.uint8),
+    )
+
+
+@torch.library.register_fake("extkernels_fused::radius_aggregate_bwd")
+def _radius_aggregate_bwd_fake(
+    grad_out,
+    p_query,
+    totals,
+    grid_ref,
+    grid_start,
+    grid_params,
+    radius,
+    sigma,
+    warp=True,
+):
+    return grad_out.new_empty((grid_ref.shape[0], grad_out.shape[1]))
+
+
+def _radius_setup_context(ctx, inputs, output):
+    p_query, _, _, radius, sigma, warp = inputs
+    _, totals, grid_ref, grid_start, grid_params = output
+    ctx.save_for_backward(p_query, totals, grid_ref, grid_start, grid_params)
+    ctx.radius, ctx.sigma, ctx.warp = radius, sigma, warp
+
+
+def _radius_backward(ctx, grad_out, *_grad_saved):
+    grad_feats = None
+    if ctx.needs_input_grad[2]:
+        grad_feats = _ops.radius_aggregate_bwd(
+            grad_out.contiguous(), *ctx.saved_tensors, ctx.radius, ctx.sigma, ctx.warp
+        )
+    return None, None, grad_feats, None, None, None
+
+
+torch.library.register_autograd(
+    "extkernels_fused::radius_aggregate_fwd",
+    _radius_backward,
+    setup_context=_radius_setup_context,
+)

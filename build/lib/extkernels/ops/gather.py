@@ -1,0 +1,34 @@
+"""The softmax-gather-sum that turns any kNN search into the kNN aggregation (chapter
+1).
+
+Every kNN backend hands its ``(distances, indices)`` to :func:`softmax_gather`; the
+registry derives each backend's ``knn_aggregate`` this way (see
+:mod:`~extkernels.ops.registry`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["softmax_gather"]
+
+
+def softmax_gather(
+    distances: torch.Tensor, indices: torch.Tensor, feats: torch.Tensor, sigma: float
+) -> torch.Tensor:
+    """Weighted sum of neighbour features, weights ``softmax(-distance / sigma)`` over
+    k.
+
+    Gradients flow to ``feats`` through the gather; distances and indices carry none.
+
+    Args:
+        distances: ``(M, k)`` float32, ascending along each row.
+        indices: ``(M, k)`` int64 rows of ``feats``.
+        feats: ``(N, F)`` float32 (float64 for gradient checks).
+        sigma: softmax length scale, > 0.
+
+    Returns:
+        ``(M, F)``, same dtype as ``feats``.
+    """
+    weights = torch.softmax(-distances.to(feats.dtype) / sigma, dim=1)
+    return (weights.unsqueeze(-1) * feats[indices]).sum(dim=1)

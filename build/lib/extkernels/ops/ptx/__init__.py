@@ -1,0 +1,44 @@
+"""The ``ptx`` backend (chapter 10): the kNN aggregation with its gather, and the
+gather's adjoint, written in PTX from Python with pyptx (:mod:`~.kernels`) and
+registered as custom operators (:mod:`~.ops`); the search is chapter 9's (the ``cpp``
+backend).
+
+The kernels target ``sm_90a`` and launch on a GPU of compute capability 9.0 (Hopper);
+on the CPU the operators compute the same sums with PyTorch. The backend is available
+where pyptx is installed and the ``cpp`` backend is.
+"""
+
+import importlib.util
+
+import torch
+
+from .. import cpp
+from ..registry import Backend, lookup, register
+
+__all__ = ["BACKEND", "available"]
+
+
+def available() -> bool:
+    """pyptx is installed (it is not imported here), and so is the search's compiler."""
+    return importlib.util.find_spec("pyptx") is not None and cpp.available()
+
+
+def _knn_aggregate(p_query, p_ref, feats, k, sigma):
+    with torch.no_grad():
+        distances, indices = lookup("knn", "cpp", p_query.device)(p_query, p_ref, k)
+    weights = torch.softmax(-distances / sigma, dim=1)
+    return torch.ops.extkernels_ptx.gather(weights, indices, feats)
+
+
+BACKEND = register(
+    Backend(
+        "ptx",
+        available=available,
+        knn_aggregate=_knn_aggregate,
+        chapter=10,
+        toolchain="pyptx",
+    )
+)
+
+if available():
+    from . import ops  # noqa: F401  (registers the operators)

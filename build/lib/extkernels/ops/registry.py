@@ -1,0 +1,212 @@
+"""Backends as plug-ins: one record per backend, one registration each (chapter 3 adds
+the second backend; every later chapter adds one the same way).
+
+A :class:`Backend` names the devices it runs on, a test of whether its library is
+installed, and its implementation of each operation it provides. A kNN backend writes
+only its search: ``knn_aggregate`` is then derived from it (the search under
+``no_grad``, then :func:`~extkernels.ops.gather.softmax_gather`), so every kNN backend
+is a projector at once. ``operators`` names the backend's custom operators that take an
+operation's arguments, so that the conformance suite (``tests/test_backends.py``) runs
+``opcheck`` on them: a new backend gets the suite by registering. The record also
+carries what the book says of the backend elsewhere: the ``toolchain`` a reader needs
+beside PyTorch (the guide of chapter 12 prints it), and either its variants in the
+benchmark (``extkernels.variants``) or why it has none (``not_benchmarked``).
+
+A backend is one folder, ``ops/<backend>/``, whose ``__init__`` registers it:
+``extkernels.ops`` imports every such folder it finds, so that adding a backend edits no
+other file.
+
+Compiled extensions (a CUDA C++ backend) keep their sources inside their backend's
+folder (``ops/<backend>/csrc/``) and are built just in time, on first use, into
+PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under
+``~/.cache/torch_extensions``), never into the source tree: a checkout stays clean and
+every machine builds for its own GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .gather import softmax_gather
+
+__all__ = [
+    "OPERATIONS",
+    "CUDAGRAPH_UNSAFE",
+    "Backend",
+    "register",
+    "registered",
+    "get",
+    "scratch",
+    "backends",
+    "lookup",
+]
+
+OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
+
+#: Tags of a custom operator that synchronises with the host or keeps state in Python
+#: between calls: inductor's CUDA graphs (``mode="reduce-overhead"``) partition around
+#: it (``torch.Tag.cudagraph_unsafe``, torch >= 2.9; nothing on older releases).
+CUDAGRAPH_UNSAFE: tuple = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
+
+
+def _always() -> bool:
+    return True
+
+
+def _derive_knn_aggregate(knn: Callable) -> Callable:
+    """``knn_aggregate`` from a search: neighbours without gradient, then the
+    differentiable softmax-gather-sum (gradients reach ``feats`` through the gather)."""
+
+    def knn_aggregate(p_query, p_ref, feats, k, sigma, **options):
+        with torch.no_grad():
+            distances, indices = knn(p_query, p_ref, k, **options)
+        return softmax_gather(distances, indices, feats, sigma)
+
+    knn_aggregate.__doc__ = (
+        f"kNN-weighted aggregation over the search of {knn.__module__}."
+    )
+    return knn_aggregate
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: where it runs and what it implements.
+
+    Attributes:
+        name: the ``backend=`` of the public entry points (``torch``, ``cuml``,
+            ``warp``...).
+        devices: device types whose tensors it accepts.
+        available: whether its library is installed (a cheap test: no import).
+        knn, knn_aggregate, radius_aggregate: its implementation of each operation,
+            called with checked arguments (see :mod:`~extkernels.ops.checks`) and the
+            caller's extra keyword options; ``knn_aggregate`` is derived from ``knn``
+            when not given.
+        operators: operation -> qualified name (``"lib::name"``) of the custom operator
+            that implements it with the operation's own arguments (what ``opcheck`` runs
+            on).
+        chapter: the chapter that teaches it.
+        prepare: makes its custom operators exist (a just-in-time build of compiled
+            ones); called before :meth:`operator` looks one up.
+        toolchain: what a reader needs on their machine beyond PyTorch to run it, as
+            the guide prints it (``"PyTorch only"``, ``"the warp-lang wheel"``...).
+        not_benchmarked: why the benchmark has no variant of it; ``None`` (the
+            default) when it has, in :data:`extkernels.variants.VARIANTS` (a test
+            holds every registered backend to one or the other).
+    """
+
+    name: str
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    available: Callable[[], bool] = _always
+    knn: Callable | None = None
+    knn_aggregate: Callable | None = None
+    radius_aggregate: Callable | None = None
+    operators: Mapping[str, str] = field(default_factory=dict)
+    chapter: int = 1
+    prepare: Callable[[], object] = _always
+    toolchain: str = ""
+    not_benchmarked: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.knn is not None and self.knn_aggregate is None:
+            object.__setattr__(self, "knn_aggregate", _derive_knn_aggregate(self.knn))
+        unknown = set(self.operators) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(
+                f"operators: expected keys among {OPERATIONS}, got {sorted(unknown)}"
+            )
+
+    def implements(self, op: str) -> bool:
+        """Whether it provides operation ``op`` (directly or derived)."""
+        return getattr(self, op, None) is not None
+
+    def operator(self, op: str):
+        """The custom operator implementing ``op`` (an ``OpOverload``), or ``None``."""
+        qualname = self.operators.get(op)
+        if qualname is None:
+            return None
+        self.prepare()
+        namespace, name = qualname.split("::")
+        return getattr(getattr(torch.ops, namespace), name).default
+
+    def runs_on(self, device_type: str) -> bool:
+        """Whether it can run on tensors of ``device_type`` on this machine."""
+        here = device_type == "cpu" or (
+            device_type == "cuda" and torch.cuda.is_available()
+        )
+        return device_type in self.devices and here and self.available()
+
+    def runs_here(self) -> bool:
+        """True when its library is installed and one of its devices exists here."""
+        return any(self.runs_on(d) for d in self.devices)
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add ``backend`` (replacing one of the same name); returns it."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def registered() -> list[Backend]:
+    """Every registered backend, whether or not it can run here (for the conformance
+    suite)."""
+    return list(_BACKENDS.values())
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name``, whether or not it can run here."""
+    if name not in _BACKENDS:
+        raise ValueError(f"name: expected one of {sorted(_BACKENDS)}, got {name!r}")
+    return _BACKENDS[name]
+
+
+@contextlib.contextmanager
+def scratch(*added: Backend, alone: bool = False) -> Iterator[None]:
+    """A registry of the block's own: ``added`` are registered on entry and, with
+    whatever the block registers, gone after it; ``alone=True`` also hides every other
+    backend meanwhile (a test collects the conformance suite for its own backend so)."""
+    global _BACKENDS
+    before = _BACKENDS
+    _BACKENDS = {} if alone else dict(before)
+    try:
+        for b in added:
+            register(b)
+        yield
+    finally:
+        _BACKENDS = before
+
+
+def backends(op_name: str) -> list[str]:
+    """Names of the backends of ``op_name`` that can run on this machine."""
+    if op_name not in OPERATIONS:
+        raise ValueError(f"op_name: expected one of {OPERATIONS}, got {op_name!r}")
+    return [
+        b.name for b in _BACKENDS.values() if b.implements(op_name) and b.runs_here()
+    ]
+
+
+def lookup(op: str, name: str, device: torch.device) -> Callable:
+    """The implementation of ``op`` by backend ``name``, checked against the inputs'
+    device."""
+    b = _BACKENDS.get(name)
+    if b is None or not b.implements(op):
+        known = sorted(n for n, b in _BACKENDS.items() if b.implements(op))
+        raise ValueError(f"backend: expected one of {known} for {op}, got {name!r}")
+    if device.type not in b.devices:
+        raise ValueError(
+            f"backend: {name!r} runs on {' or '.join(b.devices)} tensors, got tensors "
+            f"on {device}"
+        )
+    if not torch.compiler.is_compiling() and not b.available():
+        raise RuntimeError(
+            f"backend: {name!r} is not available on this machine (is it installed?)"
+        )
+    return getattr(b, op)

@@ -1,0 +1,54 @@
+"""The ``triton`` backend (chapter 8): an exact kNN search, and the search fused with
+the softmax-gather aggregation, written in Triton and registered with
+``torch.library.triton_op`` so that ``torch.compile`` traces into the kernel launches.
+
+On CUDA tensors the kernels run (the grid walk, see :mod:`~.spatial`); on CPU
+tensors the operators run the brute force (``register_kernel("cpu")``), so the backend
+works everywhere; the tests run the kernels themselves on the CPU through Triton's
+interpreter (``TRITON_INTERPRET=1``).
+"""
+
+import importlib.util
+
+import torch
+
+from ..registry import Backend, register
+
+__all__ = ["BACKEND", "available"]
+
+
+def available() -> bool:
+    """Triton is installed (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _knn(p_query, p_ref, k):
+
+    from .ops import knn_op  # noqa: F401  (registers the operators)
+
+    return torch.ops.triton_knn.knn(p_query, p_ref, k)
+
+
+def _knn_aggregate(p_query, p_ref, feats, k, sigma):
+    from .ops import knn_aggregate
+
+    return knn_aggregate(p_query, p_ref, feats, k, sigma)
+
+
+BACKEND = register(
+    Backend(
+        "triton",
+        available=available,
+        knn=_knn,
+        knn_aggregate=_knn_aggregate,
+        operators={
+            "knn": "triton_knn::knn",
+            "knn_aggregate": "triton_knn::knn_aggregate_fwd",
+        },
+        chapter=8,
+        toolchain="PyTorch only (Triton ships with it)",
+    )
+)
+
+if available():
+    from . import ops  # noqa: F401  (registers the operators)

@@ -1,0 +1,357 @@
+"""The committed benchmark results, as the results page shows them (chapter 1 explains
+the protocol; the results page at the front of the book reads them).
+
+``python -m extkernels.benchmark --json FILE`` writes one JSON file: ``meta`` (hardware,
+date, versions, sizes, repeats), ``rows`` (one per variant: medians, spreads, speedups,
+peak memory) and ``runs`` (every run). :func:`load` reads it back; :func:`book_table`
+and :func:`anchor_table` turn it into the page's two tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from . import clouds
+from .reference import anchor_figures, not_like_for_like
+from .timing import ranked as order_of
+from .timing import summary, verdict
+
+__all__ = [
+    "BENCHMARK",
+    "load",
+    "recorded",
+    "source",
+    "run_card",
+    "runs_per_variant",
+    "book_table",
+    "floors_table",
+    "ranked",
+    "by_workload",
+    "anchor_table",
+    "clouds_table",
+    "is_floor",
+    "at_size",
+    "targets",
+    "radius_targets",
+    "variant_quotes",
+    "answer_quotes",
+]
+
+
+def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
+    """The benchmark command's JSON: its ``meta`` and its rows indexed by variant."""
+    data = json.loads(Path(path).read_text())
+    df = pd.DataFrame(data["rows"]).set_index("variant")
+    # JSON keeps a missing value (peak memory on a CPU) as null: numbers again, NaN for
+    # those.
+    numeric = [
+        c for c in df if c.endswith(("_ms", "_min", "_max", "_speedup", "_mb", "_s"))
+    ]
+    df[numeric] = df[numeric].apply(pd.to_numeric, errors="coerce")
+    return data["meta"], df
+
+
+# The benchmark command's H200 results, relative to book/ (chapters run there)
+BENCHMARK = "data/benchmark-h200.json"
+
+
+def recorded(names: list[str], path: str | Path = BENCHMARK) -> pd.DataFrame:
+    """The rows of ``names`` in the benchmark command's results (``path``), in that
+    order, with the file's ``meta`` in ``attrs["meta"]``: the table a chapter shows
+    for variants the benchmark command times (each one number in the whole book).
+    ``extkernels.benchmark.run_all(names, repeats=5)`` times them on the machine at
+    hand instead.
+
+    Raises:
+        KeyError: a name the file holds no row for (its message lists them).
+    """
+    meta, df = load(path)
+    missing = [n for n in names if n not in df.index]
+    if missing:
+        raise KeyError(f"names: no row in {path} for {missing}")
+    out = df.loc[list(names)]
+    out.attrs["meta"] = meta
+    return out
+
+
+def source(table: pd.DataFrame) -> str:
+    """Where a :func:`recorded` table comes from, for the line under it."""
+    meta = table.attrs["meta"]
+    return (
+        f"{meta['hardware']}, benchmark command, {runs_per_variant(table)} fresh "
+        f"processes per variant, {measured(meta)} UTC"
+    )
+
+
+def runs_per_variant(df: pd.DataFrame) -> str:
+    """How many fresh-process runs the variants of a table had: "5", or "3 to 5" when
+    they differ."""
+    lo, hi = int(df["repeats"].min()), int(df["repeats"].max())
+    return str(lo) if lo == hi else f"{lo} to {hi}"
+
+
+def run_card(meta: dict, df: pd.DataFrame) -> pd.DataFrame:
+    """What produced a benchmark file (``meta``, and its table ``df``): hardware, when,
+    runs per variant, sizes and software versions, as a one-column table."""
+    sizes = meta.get("sizes", {})
+    card = {
+        "hardware": meta["hardware"],
+        "measured (UTC)": measured(meta),
+        "runs per variant": runs_per_variant(df),
+        "kNN clouds": f"{sizes['n_ref']:,} reference points" if sizes else "",
+        "radius clouds": f"{sizes['n_ref_radius']:,} reference points" if sizes else "",
+        "queries": f"{sizes['n_query']:,}" if sizes else "",
+        **meta.get("versions", {}),
+    }
+    return pd.Series(card, name="benchmark run").to_frame()
+
+
+def measured(meta: dict) -> str:
+    """When the run started, UTC to the minute; for a merged file (one benchmark call
+    per batch of variants), the first and the last start."""
+    starts = sorted(d.strip() for d in meta["date"].split(","))
+    first, last = (d.replace("T", " ")[:16] for d in (starts[0], starts[-1]))
+    return first if first == last else f"{first} to {last}"
+
+
+def is_floor(df: pd.DataFrame) -> pd.Series:
+    """Which rows are floors: the model with no aggregation at all, a bound on what any
+    variant can take rather than a variant to rank."""
+    return pd.Series(df.index.str.contains("floor"), index=df.index)
+
+
+def book_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
+    """Every variant: its chapter, then the chapters' own summary of its timings
+    (:func:`~extkernels.timing.summary`: median and range of the runs, speedups, peak
+    MiB). Floors get no speedups: they aggregate nothing."""
+    out = summary(df)
+    out.insert(0, "chapter", [chapters.get(v, "") for v in df.index])
+    for column in ("× eager fwd", "× eager train"):
+        if column in out:
+            out[column] = out[column].astype(object).where(~is_floor(df), "")
+    return out
+
+
+def ranked(df: pd.DataFrame) -> pd.DataFrame:
+    """The variants of ``df`` that aggregate (floors left out), the kNN projector's
+    first, then the radius projector's, each from the shortest training step to the
+    longest (:func:`by_workload`): the order in which the results page lists them."""
+    return pd.concat(by_workload(df[~is_floor(df)]).values())
+
+
+def by_workload(df: pd.DataFrame, *, sort: bool = True) -> dict[str, pd.DataFrame]:
+    """The rows of ``df`` split by workload, keyed ``"kNN projector"`` and ``"radius
+    projector"`` (the panels of :func:`~extkernels.plotting.timing_panels`), each from
+    the shortest training step to the longest unless ``sort`` is false."""
+    parts = {}
+    for prefix, title in (("knn/", "kNN projector"), ("radius/", "radius projector")):
+        part = df[df.index.str.startswith(prefix)]
+        parts[title] = part.sort_values("train_ms") if sort else part
+    return parts
+
+
+def floors_table(df: pd.DataFrame, chapters: dict[str, int]) -> pd.DataFrame:
+    """The floors of ``df`` as :func:`book_table` shows a variant, without the speedup
+    columns: a floor aggregates nothing, so it is faster than no variant at anything."""
+    out = book_table(df[is_floor(df)], chapters)
+    return out.drop(columns=[c for c in ("× eager fwd", "× eager train") if c in out])
+
+
+def anchor_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The variants of the anchor tutorial: the figures it published (one A100) and its
+    code as this book timed it on an H200 (``reference.anchor_figures``), beside this
+    book's medians of ``df`` (ms forward / training)."""
+    rows = {}
+    for column, figures in anchor_figures.items():
+        for variant, (fwd, train) in figures.items():
+            rows.setdefault(variant, {})[column] = f"{fwd:.1f} / {train:.1f}"
+    out = pd.DataFrame(rows).T
+    mine = [
+        f"{df.loc[v, 'forward_ms']:.3g} / {df.loc[v, 'train_ms']:.3g}"
+        if v in df.index
+        else ""
+        for v in out.index
+    ]
+    out["this book (median)"] = mine
+    out["same computation?"] = [
+        f"no: {not_like_for_like[v]}" if v in not_like_for_like else "yes"
+        for v in out.index
+    ]
+    return out.fillna("").rename_axis("variant")
+
+
+def clouds_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Variants timed on another cloud (``name@cloud``, chapter 14), each beside the
+    same variant on the book's cloud: forward and training-step milliseconds, and
+    their ratios to the book's cloud's."""
+    elsewhere = {name.partition("@")[0] for name in df.index if "@" in name}
+    rows = []
+    for name in df.index:
+        base, _, cloud = name.partition("@")
+        if base not in df.index or base not in elsewhere:
+            continue
+        rows.append(
+            {
+                "variant": base,
+                "cloud": cloud or "normal",
+                "forward ms": df.loc[name, "forward_ms"],
+                "train ms": df.loc[name, "train_ms"],
+                "forward / normal": df.loc[name, "forward_ms"]
+                / df.loc[base, "forward_ms"],
+                "train / normal": df.loc[name, "train_ms"] / df.loc[base, "train_ms"],
+            }
+        )
+    return pd.DataFrame(rows).set_index(["variant", "cloud"]).round(3)
+
+
+def at_least(x: float, digits: int = 0) -> str:
+    """``x`` rounded down, for an "at least" claim."""
+    return f"{math.floor(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
+
+
+def at_most(x: float, digits: int = 0) -> str:
+    """``x`` rounded up, for an "at most" claim."""
+    return f"{math.ceil(round(x * 10**digits, 9)) / 10**digits:.{digits}f}"
+
+
+def against_book_cloud(ratio: pd.Series) -> str:
+    """A method's time on every cloud over its time on the book's cloud (``normal``),
+    as a predicate for prose: "is no slower …" or "takes at most …×"."""
+    others = ratio.drop("normal")
+    if others.max() <= 1.0:
+        return "is no slower on any cloud than on the book's cloud"
+    return (
+        f"takes at most {at_most(others.max(), 1)}× its time on the book's cloud on "
+        f"every cloud (the slowest: {others.idxmax()})"
+    )
+
+
+# ---- chapter 14's geometry command (extkernels.experiments.geometry) -------------
+
+
+def at_size(times: pd.DataFrame, n: int, methods) -> pd.DataFrame:
+    """Median milliseconds at ``n`` points: a row per cloud, a column per method."""
+    part = times.xs(n, level="n")["ms"].unstack("method")
+    return part[[m for m in methods if m in part]].reindex(list(clouds.GEOMETRIES))
+
+
+def targets(
+    times: pd.DataFrame, method: str = "fused", rival: str = "cuml"
+) -> pd.DataFrame:
+    """Per cloud: ``method`` at 10^5 and 10^6 points, its speedup over ``rival`` at
+    10^6 (medians of the same runs), and whether each stays within the goal of
+    chapter 14 (0.5 ms, 2 ms, 10x)."""
+    small, large = (
+        at_size(times, 100_000, [method, rival]),
+        at_size(times, 1_000_000, [method, rival]),
+    )
+    out = pd.DataFrame(
+        {
+            "ms at 10⁵": small[method],
+            "ms at 10⁶": large[method],
+            f"x {rival} at 10⁶": large[rival] / large[method],
+        }
+    )
+    out["≤ 0.5 ms"] = out["ms at 10⁵"] <= 0.5
+    out["≤ 2 ms"] = out["ms at 10⁶"] <= 2.0
+    out["≥ 10×"] = out[f"x {rival} at 10⁶"] >= 10
+    return out.round(3)
+
+
+def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
+    """Per cloud: each radius method's milliseconds at ``n`` points, its ratio to its
+    time on the book's cloud, and whether the fused backend's stays within the goal of
+    chapter 14 (2x)."""
+    ms = at_size(times, n, ["fused-radius", "warp-radius"])
+    out = ms.copy()
+    for method in ms.columns:
+        out[f"{method} / normal"] = ms[method] / ms.loc["normal", method]
+    if "fused-radius" in ms:
+        out["≤ 2× normal"] = out["fused-radius / normal"] <= 2.0
+    return out.round(3)
+
+
+def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | str]:
+    """The numbers chapter 12 quotes from the benchmark's table of every variant:
+    ``parts`` maps ``"kNN projector"`` and ``"radius projector"`` to their rows sorted
+    by ``train_ms``. For each workload (``knn_*``, ``radius_*``): the fastest exact
+    variant (the floors aggregate nothing), its training step, the fastest forward, the
+    slowest training step and the number of variants; the runner-up (``*_runner_up``,
+    its step ``*_runner_up_train``) and, where the table has the runs' ranges, the
+    fastest against it in words (``*_best_vs_runner_up``: "faster than" only when the
+    ranges of the training steps do not overlap)."""
+    out = {}
+    for workload, part in parts.items():
+        exact = part[~part.index.str.contains("floor")]
+        key = "knn" if workload.startswith("kNN") else "radius"
+        best, second = exact.index[0], exact.index[1]
+        out[f"{key}_best"] = best
+        out[f"{key}_best_train"] = float(exact["train_ms"].iloc[0])
+        out[f"{key}_runner_up"] = second
+        out[f"{key}_runner_up_train"] = float(exact["train_ms"].iloc[1])
+        if {"train_min", "train_max"} <= set(exact.columns):
+            out[f"{key}_best_vs_runner_up"] = verdict(exact, best, second, "train")
+        out[f"{key}_best_fwd"] = float(exact["forward_ms"].min())
+        out[f"{key}_worst_train"] = float(exact["train_ms"].iloc[-1])
+        out[f"{key}_n_variants"] = len(part)
+    return out
+
+
+def _tree_vs_grids(knn: pd.DataFrame) -> dict[str, float | str]:
+    """The fused tree's shortest training step (``knn``: the exact kNN variants sorted
+    by ``train_ms``) against the shortest of every other backend's, and why, in words
+    that follow the ranges of the runs."""
+    fused = knn[knn.index.str.startswith("knn/fused")]
+    other = knn[~knn.index.str.startswith("knn/fused")]
+    tree, rival = fused.index[0], other.index[0]
+    order = order_of(
+        (knn.at[tree, "train_min"], knn.at[tree, "train_max"]),
+        (knn.at[rival, "train_min"], knn.at[rival, "train_max"]),
+        same="within",
+    )
+    why = {
+        "faster than": "shorter, beyond the spread of the runs, although on a blob "
+        "the tree's build (a radix sort of the points) costs more than a grid's "
+        "counting sort: chapter 14 times the fused backend on both in the same step",
+        "within": "within the spread of the runs: on a blob the tree's build (a "
+        "radix sort of the points) costs about what its search saves",
+        "slower than": "longer, beyond the spread of the runs: on a blob the tree "
+        "pays for its build (a radix sort of the points) and for a search the blob "
+        "does not need",
+    }[order]
+    return {
+        "knn_tree_variant": tree,
+        "knn_tree_best_train": float(knn.at[tree, "train_ms"]),
+        "knn_rival": rival,
+        "knn_rival_train": float(knn.at[rival, "train_ms"]),
+        "knn_tree_vs_rival": why,
+    }
+
+
+def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
+    """The numbers the page's answer reads: :func:`variant_quotes` of the benchmark
+    ``table`` (the fastest training step of each workload on the book's cloud, its
+    runner-up, floors left out), the fused tree's step in one graph, and in words (by
+    the ranges of the runs) the tree's shortest step against every other backend's
+    (:func:`_tree_vs_grids`), the fused grid against the tree on the book's cloud
+    (chapter 14's ``clouds`` file, which times both) and the fused radius walk against
+    Warp's hash grid."""
+    ranked = table[~is_floor(table)].sort_values("train_ms")
+    parts = {
+        f"{w} projector": ranked[ranked.index.str.startswith(f"{w.lower()}/")]
+        for w in ("kNN", "radius")
+    }
+    out = variant_quotes(parts)
+    out["knn_tree_train"] = float(table.loc["knn/fused+compile+graphs", "train_ms"])
+    out.update(_tree_vs_grids(parts["kNN projector"]))
+    grid, tree = "knn/fused-grid+graphs", "knn/fused+graphs"
+    out["grid_train"] = float(clouds.loc[grid, "train_ms"])
+    out["tree_train_beside_grid"] = float(clouds.loc[tree, "train_ms"])
+    out["grid_vs_tree"] = verdict(clouds, grid, tree, "train")
+    fused, warp = "radius/fused+compile+graphs", "radius/warp+graphs"
+    out["radius_fused_vs_warp"] = verdict(table, fused, warp, "train")
+    return out

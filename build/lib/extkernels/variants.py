@@ -1,0 +1,391 @@
+"""Every version of the running example, as the benchmark command and the chapters run
+them (chapter 1 onward; each variant names the chapter that introduces it).
+
+A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and
+whether it is compiled; :meth:`Variant.build` makes the model and data at a
+:class:`~extkernels.Problem`'s sizes and :func:`run` times it by the book's protocol.
+Chapters add variants as they add backends; a variant whose backend cannot run on this
+machine is listed but skipped. A registered backend without a variant here says why in
+its registration (``Backend.not_benchmarked``); ``tests/test_registry.py`` holds every
+backend to one or the other.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .clouds import workload
+from .data import query_grid, reference_cloud, targets
+from .memory import use_rmm_pool
+from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation
+from .ops import backends
+from .problem import Problem
+from .timing import Timing, first_call_seconds, time_projector
+from .training import make_train_step
+
+__all__ = ["FLOOR", "Variant", "VARIANTS", "get", "run", "baseline_of", "chapters"]
+
+#: The ``backend`` of a floor variant: the aggregation replaced by
+#: :class:`~extkernels.models.FixedGather` (no search, no custom operator), so that it
+#: times everything else a projector does: the MLPs, the loss, autograd and Adam.
+FLOOR = "floor"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One version of the projector.
+
+    Attributes:
+        name: short unique name, used on the command line and in tables.
+        workload: ``knn`` or ``radius``.
+        backend: backend of the aggregation (see :func:`extkernels.backends`), or
+            :data:`FLOOR` for no aggregation at all (the floor under every backend).
+        compile: wrap the model in ``torch.compile``.
+        fullgraph: compile with ``fullgraph=True`` (fail on any graph break).
+        chapter: the chapter that introduces it.
+        options: extra keyword arguments of the aggregation's backend.
+        isolated: must run in a process of its own (it changes process-wide state, such
+            as PyTorch's allocator), which the benchmark command arranges.
+        setup: called once before anything is allocated on the device.
+        backward_thread: let autograd run CUDA backward nodes on its own device thread
+            (the default). With ``False`` the whole variant runs under
+            ``torch.autograd.set_multithreading_enabled(False)``, so backward passes run
+            on the calling thread: backward formulas written in Python (the Warp
+            operators') then skip the hand-over to that thread.
+        graphs: time the forward pass and the training step each captured in one CUDA
+            graph and replayed (:mod:`extkernels.graphs`); needs a CUDA device.
+        mode: ``torch.compile``'s mode (``"reduce-overhead"``: inductor replays the
+            compiled graphs as CUDA graphs, around operators tagged unsafe for them).
+        cloud: the reference cloud and queries, one of
+            :data:`extkernels.clouds.GEOMETRIES` (chapter 14); ``"normal"`` is the
+            book's cloud on its query grid.
+    """
+
+    name: str
+    workload: str
+    backend: str
+    compile: bool = False
+    fullgraph: bool = False
+    chapter: int = 1
+    options: dict = field(default_factory=dict)
+    isolated: bool = False
+    setup: Callable[[], None] | None = None
+    backward_thread: bool = True
+    graphs: bool = False
+    mode: str | None = None
+    cloud: str = "normal"
+
+    @property
+    def op(self) -> str:
+        return "knn_aggregate" if self.workload == "knn" else "radius_aggregate"
+
+    def available(self) -> bool:
+        """True when it can run on this machine."""
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """Why it cannot run on this machine, or ``None`` when it can."""
+        if self.backend != FLOOR and self.backend not in backends(self.op):
+            return f"backend {self.backend!r} cannot run on this machine"
+        if self.graphs and not torch.cuda.is_available():
+            return "CUDA graphs need a CUDA GPU"
+        return None
+
+    def build(self, prob: Problem):
+        """The model (eager), the callable to time (compiled or not) and the data.
+
+        Returns:
+            ``(model, run, (p_query, p_ref, target))``.
+        """
+        n_ref = prob.cloud_size(self.workload)
+        if self.cloud == "normal":
+            p_ref = reference_cloud(n_ref, seed=prob.seed, device=prob.device)
+            p_query = query_grid(prob.grid_side, device=prob.device)
+        else:
+            w = workload(
+                self.cloud,
+                n_ref,
+                side=prob.grid_side,
+                seed=prob.seed,
+                device=prob.device,
+            )
+            p_ref, p_query = w.p_ref, w.p_query
+        target = targets(p_query.shape[0], seed=prob.seed, device=prob.device)
+        if self.backend == FLOOR:
+            agg = FixedGather(p_query.shape[0], n_ref, seed=prob.seed)
+        elif self.workload == "knn":
+            agg = KnnAggregation(prob.k, prob.sigma, self.backend, **self.options)
+        else:
+            agg = RadiusAggregation(
+                prob.radius, prob.sigma, self.backend, **self.options
+            )
+        torch.manual_seed(prob.seed)
+        model = Projector(agg, prob.hidden).to(prob.device)
+        run_model = (
+            torch.compile(model, fullgraph=self.fullgraph, mode=self.mode)
+            if self.compile
+            else model
+        )
+        return model, run_model, (p_query, p_ref, target)
+
+
+def _elsewhere(workload: str, cloud: str, *, grid: bool = False) -> Variant:
+    """The fused projector in one CUDA graph on another cloud (``name@cloud``), or with
+    chapter 11's grid instead of the tree (chapter 14)."""
+    suffix = "" if cloud == "normal" else f"@{cloud}"
+    return Variant(
+        f"{workload}/fused{'-grid' if grid else ''}+graphs{suffix}",
+        workload,
+        "fused",
+        chapter=14,
+        graphs=True,
+        options={"index": "grid"} if grid else {},
+        cloud=cloud,
+    )
+
+
+VARIANTS: list[Variant] = [
+    Variant("knn/torch", "knn", "torch", chapter=1),
+    Variant(
+        "knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2
+    ),
+    Variant("knn/cuml", "knn", "cuml", chapter=3, options={"as_op": False}),
+    Variant(
+        "knn/cuml+compile",
+        "knn",
+        "cuml",
+        compile=True,
+        chapter=3,
+        options={"as_op": False},
+    ),
+    Variant("knn/cuml-op", "knn", "cuml", chapter=3),
+    Variant(
+        "knn/cuml-op+compile", "knn", "cuml", compile=True, fullgraph=True, chapter=3
+    ),
+    Variant(
+        "knn/cuml-op+compile+rmm",
+        "knn",
+        "cuml",
+        compile=True,
+        fullgraph=True,
+        chapter=4,
+        isolated=True,
+        setup=use_rmm_pool,
+    ),
+    Variant(
+        "knn/cuml-op+compile+rmm-rapids",
+        "knn",
+        "cuml",
+        compile=True,
+        fullgraph=True,
+        chapter=4,
+        isolated=True,
+        setup=functools.partial(use_rmm_pool, pytorch=False),
+    ),
+    Variant("knn/triton", "knn", "triton", chapter=8),
+    Variant(
+        "knn/triton+compile", "knn", "triton", compile=True, fullgraph=True, chapter=8
+    ),
+    Variant(
+        "knn/triton+reduce-overhead",
+        "knn",
+        "triton",
+        compile=True,
+        fullgraph=True,
+        chapter=8,
+        mode="reduce-overhead",
+    ),
+    Variant("knn/cpp", "knn", "cpp", chapter=9),
+    Variant("knn/cpp+compile", "knn", "cpp", compile=True, fullgraph=True, chapter=9),
+    Variant(
+        "knn/cpp+reduce-overhead",
+        "knn",
+        "cpp",
+        compile=True,
+        fullgraph=True,
+        chapter=9,
+        mode="reduce-overhead",
+    ),
+    Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
+    Variant("knn/floor", "knn", FLOOR, chapter=9),
+    Variant("knn/floor+graphs", "knn", FLOOR, chapter=9, graphs=True),
+    Variant("knn/ptx", "knn", "ptx", chapter=10),
+    Variant("knn/ptx+compile", "knn", "ptx", compile=True, fullgraph=True, chapter=10),
+    Variant("knn/ptx+graphs", "knn", "ptx", chapter=10, graphs=True),
+    Variant("knn/fused", "knn", "fused", chapter=11),
+    Variant(
+        "knn/fused+reduce-overhead",
+        "knn",
+        "fused",
+        compile=True,
+        fullgraph=True,
+        chapter=11,
+        mode="reduce-overhead",
+    ),
+    Variant("knn/fused+graphs", "knn", "fused", chapter=11, graphs=True),
+    Variant(
+        "knn/fused+compile+graphs",
+        "knn",
+        "fused",
+        compile=True,
+        fullgraph=True,
+        chapter=11,
+        graphs=True,
+    ),
+    # The same projector on real CAD surfaces queried in the volume around them, and
+    # with chapter 11's grid instead of the tree (chapter 14).
+    _elsewhere("knn", "panda"),
+    _elsewhere("knn", "spitfire"),
+    _elsewhere("knn", "normal", grid=True),
+    _elsewhere("knn", "panda", grid=True),
+    Variant("radius/torch", "radius", "torch", chapter=5),
+    Variant(
+        "radius/torch+compile",
+        "radius",
+        "torch",
+        compile=True,
+        fullgraph=True,
+        chapter=5,
+    ),
+    Variant("radius/warp", "radius", "warp", chapter=5),
+    Variant(
+        "radius/warp+compile", "radius", "warp", compile=True, fullgraph=True, chapter=6
+    ),
+    Variant(
+        "radius/warp-manual+compile",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=6,
+        options={"backward": "manual"},
+    ),
+    Variant(
+        "radius/warp-saved+compile",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=6,
+        options={"handover": "saved"},
+    ),
+    Variant(
+        "radius/warp+reduce-overhead",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=6,
+        mode="reduce-overhead",
+    ),
+    Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
+    Variant(
+        "radius/warp+compile+1thread",
+        "radius",
+        "warp",
+        compile=True,
+        fullgraph=True,
+        chapter=7,
+        backward_thread=False,
+    ),
+    Variant("radius/warp+graphs", "radius", "warp", chapter=7, graphs=True),
+    Variant("radius/fused", "radius", "fused", chapter=11),
+    Variant(
+        "radius/fused+reduce-overhead",
+        "radius",
+        "fused",
+        compile=True,
+        fullgraph=True,
+        chapter=11,
+        mode="reduce-overhead",
+    ),
+    Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
+    Variant(
+        "radius/fused+compile+graphs",
+        "radius",
+        "fused",
+        compile=True,
+        fullgraph=True,
+        chapter=11,
+        graphs=True,
+    ),
+    _elsewhere("radius", "panda"),
+    _elsewhere("radius", "outlier"),
+    Variant("radius/floor", "radius", FLOOR, chapter=11),
+    Variant("radius/floor+graphs", "radius", FLOOR, chapter=11, graphs=True),
+]
+
+
+def chapters() -> dict[str, int]:
+    """The chapter that teaches each variant, by the variant's name (the results page
+    and chapter 12 print it beside every row)."""
+    return {v.name: v.chapter for v in VARIANTS}
+
+
+def get(name: str) -> Variant:
+    """The variant called ``name``."""
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise ValueError(
+        f"name: expected one of {[v.name for v in VARIANTS]}, got {name!r}"
+    )
+
+
+def baseline_of(variant: Variant) -> str:
+    """Name of the eager brute-force variant of the same workload (the speedup
+    reference)."""
+    return f"{variant.workload}/torch"
+
+
+def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
+    """Build and time one variant by the book's protocol.
+
+    Returns:
+        A :class:`~extkernels.timing.Timing` as a dict, plus ``workload`` and
+        ``first_call_s`` (the first training step; for compiled variants it includes
+        compiling the forward and backward graphs from scratch, with inductor's caches
+        disabled). With ``cold=False`` the first step may use inductor's caches and
+        ``first_call_s`` is NaN.
+    """
+    if variant.setup is not None:
+        variant.setup()
+    if variant.compile:
+        torch._dynamo.reset()  # nothing compiled earlier in this process is reused
+    model, run_model, (p_query, p_ref, target) = variant.build(prob)
+    with torch.autograd.set_multithreading_enabled(variant.backward_thread):
+        first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+        # Inductor's on-disk caches would turn a recompilation into a lookup: measure it
+        # cold.
+        with (
+            torch._inductor.config.patch(force_disable_caches=cold),
+            warnings.catch_warnings(),
+        ):
+            warnings.filterwarnings("ignore", message=".*force_disable_caches")
+            first_s = first_call_seconds(first, prob.device) if cold else math.nan
+        t = time_projector(
+            run_model,
+            p_query,
+            p_ref,
+            target,
+            n_warmup=prob.n_warmup,
+            n_iters=prob.n_iters,
+            params=model.parameters(),
+            graphs=variant.graphs,
+        )
+    row = Timing(
+        variant.name,
+        t["forward_ms"],
+        t["train_ms"],
+        t["peak_mb"],
+        prob.hardware,
+        p_ref.shape[0],
+        p_query.shape[0],
+    ).__dict__
+    return {**row, "workload": variant.workload, "first_call_s": first_s}
