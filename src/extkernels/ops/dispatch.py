@@ -5,9 +5,17 @@ Each entry point checks its arguments once, by the contract of
 and calls it with value checks off, since they just ran. Extra keyword arguments go to
 the backend (for example ``chunk_size`` of the torch backend, ``backward`` of the warp
 backend).
+
+Under ``torch.autocast`` the aggregations follow autocast's rule for operations that
+need float32: features of a lower precision (the bfloat16 or float16 an autocast MLP
+hands them) are cast to float32, and the backend runs with autocast off, so that no
+distance of the search is computed in a lower precision and the neighbours stay the
+float32 ones. The result is float32, as autocast's float32 operations return.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -65,9 +73,11 @@ def knn_aggregate(
     Returns:
         ``(M, F)`` float32.
     """
+    feats, autocast = _outside_autocast(feats)
     k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
     fn = lookup("knn_aggregate", backend, p_query.device)
-    return call_checked(fn, p_query, p_ref, feats, k, sigma, **options)
+    with autocast:
+        return call_checked(fn, p_query, p_ref, feats, k, sigma, **options)
 
 
 def radius_aggregate(
@@ -94,6 +104,22 @@ def radius_aggregate(
     Returns:
         ``(M, F)`` float32.
     """
+    feats, autocast = _outside_autocast(feats)
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
     fn = lookup("radius_aggregate", backend, p_query.device)
-    return call_checked(fn, p_query, p_ref, feats, radius, sigma, **options)
+    with autocast:
+        return call_checked(fn, p_query, p_ref, feats, radius, sigma, **options)
+
+
+def _outside_autocast(feats: torch.Tensor):
+    """Inside an autocast region of ``feats``' device: ``feats`` in float32 where it
+    came in a lower precision, and a context that turns autocast off around the
+    backend; elsewhere ``feats`` unchanged and a context that does nothing."""
+    device = feats.device.type if isinstance(feats, torch.Tensor) else "cpu"
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(
+        device
+    ):
+        return feats, contextlib.nullcontext()
+    if feats.dtype in (torch.float16, torch.bfloat16):
+        feats = feats.float()
+    return feats, torch.autocast(device, enabled=False)
