@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["find", "fingerprint"]
+__all__ = ["find", "fingerprint", "loaded"]
 
 
 def fingerprint(dirs: list[Path], flags: list[str]) -> str:
@@ -35,6 +35,18 @@ def fingerprint(dirs: list[Path], flags: list[str]) -> str:
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update("\0".join(flags).encode())
     return digest.hexdigest()
+
+
+def loaded(prefix: str) -> Path:
+    """The file of the library loaded in this process whose name starts with
+    ``prefix`` (``torch.ops.loaded_libraries``: a just-in-time build's, versioned
+    ``name_v1.so`` and so on after its sources changed, or a prebuilt one)."""
+    found = [
+        Path(p) for p in torch.ops.loaded_libraries if Path(p).name.startswith(prefix)
+    ]
+    if not found:
+        raise RuntimeError(f"no library {prefix}* is loaded in this process")
+    return found[-1]
 
 
 def find(name: str, dirs: list[Path], flags: list[str], cuda: bool) -> Path | None:

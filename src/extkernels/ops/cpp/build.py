@@ -23,6 +23,7 @@ __all__ = [
     "load",
     "build_seconds",
     "prebuilt_path",
+    "library_file",
     "arch_list",
     "summary",
     "stable_coverage",
@@ -74,6 +75,14 @@ def load(verbose: bool = False) -> None:
     else:
         _build(verbose)
     build_seconds = time.perf_counter() - start
+
+
+def library_file() -> Path:
+    """The file of the library :func:`load` loaded: what another process loads with
+    ``torch.ops.load_library`` to run these operators without this package (an
+    AOTInductor package that calls them, for example)."""
+    load()
+    return prebuilt_path or prebuilt.loaded("extkernels_cpp")
 
 
 def _build(verbose: bool) -> None:

@@ -20,11 +20,15 @@ __all__ = [
     "INDEXES",
     "LANES",
     "defines",
+    "library_file",
     "sources",
     "load",
 ]
 
 CSRC = Path(__file__).parent / "csrc"
+
+#: The prebuilt library :func:`load` loaded, or ``None`` where it built just in time.
+prebuilt_path: Path | None = None
 
 #: Threads per query the kNN kernels are built for (``lanes``).
 LANES = (1, 4, 8, 16, 32)
@@ -68,7 +72,9 @@ def load(verbose: bool = False) -> None:
     dirs, flags = [CSRC, cpp_build.CSRC], defines()
     path = prebuilt.find("fused", dirs, flags, cuda=torch.cuda.is_available())
     if path is not None:
+        global prebuilt_path
         torch.ops.load_library(path)
+        prebuilt_path = path
         return
     cuda = cpp_build.arch_list() is not None
     cpp_extension.load(
@@ -81,3 +87,11 @@ def load(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
+
+
+def library_file() -> Path:
+    """The file of the library :func:`load` loaded (see the C++ backend's
+    ``library_file``; on the CPU its kernels call that library's through the
+    dispatcher, so a process without this package loads both)."""
+    load()
+    return prebuilt_path or prebuilt.loaded("extkernels_fused")
