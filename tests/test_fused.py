@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import DEVICES
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.library import opcheck
 
 import extkernels as ek
 from extkernels.ops import fused
@@ -563,3 +564,84 @@ def test_the_fakes_grid_has_the_librarys_layout():
     assert [t.shape for t in fake] == [t.shape for t in real]
     assert real[4].numel() == ops.GRID_PARAMS_BYTES
     assert real[3].numel() == ops.cell_capacity(50) + 1 == ops.CELLS_PER_POINT * 50 + 1
+
+
+# ---------------------------------------------------------- the search into buffers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_knn_out_writes_the_searchs_result_into_the_buffers(device):
+    fused.prepare()
+    p_query, p_ref = _clouds(device)
+    m = p_query.shape[0]
+    distances = torch.full((m, 7), float("nan"), device=device)
+    indices = torch.full((m, 7), -1, dtype=torch.int64, device=device)
+    fused.knn_out(p_query, p_ref, 7, distances, indices)
+    want_d, want_i = torch.ops.extkernels_fused.knn(p_query, p_ref, 7)
+    assert torch.equal(distances, want_d) and torch.equal(indices, want_i)
+    opcheck(
+        torch.ops.extkernels_fused.knn_out.default,
+        (p_query, p_ref, 7, distances, indices),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (lambda d: d.double(), "distances: expected dtype torch.float32"),
+        (lambda d: d[:, :6].contiguous(), r"distances: expected shape \(\d+, 7\)"),
+        (lambda d: d.t().contiguous().t(), "distances: expected a contiguous tensor"),
+    ],
+    ids=["dtype", "shape", "layout"],
+)
+def test_knn_out_refuses_a_wrong_buffer_in_the_entry_the_operator_and_the_fake(
+    change, error
+):
+    fused.prepare()
+    p_query, p_ref = _clouds("cpu")
+    m = p_query.shape[0]
+    distances = change(torch.empty(m, 7))
+    indices = torch.empty(m, 7, dtype=torch.int64)
+    args = (p_query, p_ref, 7, distances, indices)
+    with pytest.raises((TypeError, ValueError), match=error):
+        fused.knn_out(*args)
+    with pytest.raises((TypeError, ValueError), match=error):
+        torch.ops.extkernels_fused.knn_out(*args)
+    if "contiguous" not in error:  # a fake does not ask for a layout (checks.py)
+        with FakeTensorMode() as mode, pytest.raises((TypeError, ValueError)):
+            torch.ops.extkernels_fused.knn_out(
+                *(
+                    mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                    for a in args
+                )
+            )
+
+
+def test_knn_out_compiles_whole_and_exports_as_a_mutation():
+    fused.prepare()
+    p_query, p_ref = _clouds("cpu")
+    m = p_query.shape[0]
+
+    class Search(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("distances", torch.zeros(m, 7))
+            self.register_buffer("indices", torch.zeros(m, 7, dtype=torch.int64))
+
+        def forward(self, p_query, p_ref):
+            torch.ops.extkernels_fused.knn_out(
+                p_query, p_ref, 7, self.distances, self.indices
+            )
+            return self.distances.sum(dim=1)
+
+    want = torch.ops.extkernels_fused.knn(p_query, p_ref, 7)[0].sum(dim=1)
+    compiled = torch.compile(Search(), fullgraph=True)
+    torch.testing.assert_close(compiled(p_query, p_ref), want)
+    ep = torch.export.export(Search(), (p_query, p_ref)).run_decompositions()
+    # functionalised: the operator runs on copies, and the buffers are outputs
+    assert any("auto_functionalized" in str(n.target) for n in ep.graph.nodes)
+    assert set(ep.graph_signature.buffers_to_mutate.values()) == {
+        "distances",
+        "indices",
+    }
+    torch.testing.assert_close(ep.module()(p_query, p_ref), want)

@@ -46,6 +46,7 @@ __all__ = [
     "check_knn_aggregate",
     "check_radius_aggregate",
     "check_grad_out",
+    "check_buffer",
     "check_cloud",
     "check_feats",
     "check_k",
@@ -333,20 +334,32 @@ def check_grad_out(
 ) -> torch.Tensor:
     """The incoming gradient of an aggregation's backward operator: a contiguous float32
     ``(M, F)`` tensor on the device of the clouds."""
-    if not isinstance(grad_out, torch.Tensor):
-        raise TypeError(
-            f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}"
-        )
-    if grad_out.dtype != torch.float32:
-        raise TypeError(f"grad_out: expected dtype torch.float32, got {grad_out.dtype}")
     want = (p_query.shape[0], feats.shape[1])
-    if tuple(grad_out.shape) != want:
+    return check_buffer("grad_out", grad_out, want, "M, F", torch.float32, p_query)
+
+
+def check_buffer(
+    name: str,
+    t: object,
+    shape: tuple,
+    what: str,
+    dtype: torch.dtype,
+    p_query: torch.Tensor,
+) -> torch.Tensor:
+    """A tensor an operator reads or writes whole (an incoming gradient, an output
+    buffer): ``dtype``, ``shape`` (``what`` names its sizes), contiguous, on the device
+    of the clouds."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
         raise ValueError(
-            f"grad_out: expected shape {want} (M, F), got {tuple(grad_out.shape)}"
+            f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}"
         )
-    check_contiguous("grad_out", grad_out)
-    check_same_device(p_query=p_query, grad_out=grad_out)
-    return grad_out
+    check_contiguous(name, t)
+    check_same_device(p_query=p_query, **{name: t})
+    return t
 
 
 # ------------------------------------------------------------------ determinism

@@ -31,6 +31,7 @@ __all__ = [
     "INDEXES",
     "LANES",
     "available",
+    "knn_out",
     "knn_work",
     "prepare",
     "radius_aggregate_with_totals",
@@ -86,6 +87,27 @@ def _knn_aggregate(
 ):
     _check_queries("knn_aggregate", p_query)
     return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes, index)[0]
+
+
+def knn_out(
+    p_query,
+    p_ref,
+    k,
+    distances,
+    indices,
+    *,
+    lanes: int = DEFAULT_LANES,
+    index: str = DEFAULT_INDEX,
+) -> None:
+    """The search of ``knn`` written into the caller's buffers: ``distances`` ``(M, k)``
+    float32 and ``indices`` ``(M, k)`` int64 on the clouds' device (the operator
+    ``extkernels_fused::knn_out``, which allocates nothing on the GPU)."""
+    k = checks.check_knn(p_query, p_ref, k)
+    m = p_query.shape[0]
+    checks.check_buffer("distances", distances, (m, k), "M, k", torch.float32, p_query)
+    checks.check_buffer("indices", indices, (m, k), "M, k", torch.int64, p_query)
+    _check_queries("knn", p_query)
+    _call("knn_out", p_query, p_ref, k, distances, indices, lanes, index)
 
 
 def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:

@@ -12,7 +12,12 @@ walks the same grid without building it again.
 import torch
 
 from .. import checks
-from ..checks import check_index_limit, check_knn, check_radius_aggregate
+from ..checks import (
+    check_buffer,
+    check_index_limit,
+    check_knn,
+    check_radius_aggregate,
+)
 from ..cpp import ops as cpp_ops
 from . import build
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
@@ -86,6 +91,16 @@ def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
     _check_index(index)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
+@torch.library.register_fake("extkernels_fused::knn_out")
+def _knn_out_fake(
+    p_query, p_ref, k, distances, indices, lanes=DEFAULT_LANES, index=DEFAULT_INDEX
+):
+    knn_fake(p_query, p_ref, k, lanes, index)  # the search's own checks
+    m = p_query.shape[0]
+    check_buffer("distances", distances, (m, k), "M, k", torch.float32, p_query)
+    check_buffer("indices", indices, (m, k), "M, k", torch.int64, p_query)
 
 
 @torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")

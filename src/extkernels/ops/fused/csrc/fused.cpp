@@ -76,6 +76,17 @@ KnnOut knn_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
   return {d2.sqrt_(), indices};
 }
 
+void knn_out_cpu(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+                 at::Tensor& distances, at::Tensor& indices, int64_t lanes,
+                 c10::string_view index) {
+  check_clouds(p_query, p_ref);
+  check_out(distances, "distances", at::kFloat, "torch.float32", p_query, k);
+  check_out(indices, "indices", at::kLong, "torch.int64", p_query, k);
+  auto [d, i] = knn_cpu(p_query, p_ref, k, lanes, index);
+  distances.copy_(d);
+  indices.copy_(i);
+}
+
 AggregateOut knn_aggregate_fwd_cpu(const at::Tensor& p_query, const at::Tensor& p_ref,
                                    const at::Tensor& feats, int64_t k, double sigma,
                                    int64_t lanes, c10::string_view index) {
@@ -273,6 +284,10 @@ TORCH_LIBRARY(extkernels_fused, m) {
   m.def(
       "knn_aggregate_fwd(Tensor p_query, Tensor p_ref, Tensor feats, int k, float sigma,"
       " " EK_SEARCH_DEFAULTS ") -> (Tensor, Tensor, Tensor)");
+  // The search into given buffers: distances (M, k) float32, indices (M, k) int64.
+  m.def(
+      "knn_out(Tensor p_query, Tensor p_ref, int k, Tensor(a!) distances,"
+      " Tensor(b!) indices, " EK_SEARCH_DEFAULTS ") -> ()");
   m.def("knn_work(Tensor p_query, Tensor p_ref, int k, str index=\"" EK_STR(
       EK_DEFAULT_INDEX) "\") -> Tensor");
   m.def(
@@ -295,6 +310,7 @@ TORCH_LIBRARY(extkernels_fused, m) {
 
 TORCH_LIBRARY_IMPL(extkernels_fused, CPU, m) {
   m.impl("knn", &knn_cpu);
+  m.impl("knn_out", &knn_out_cpu);
   m.impl("knn_aggregate_fwd", &knn_aggregate_fwd_cpu);
   m.impl("knn_work", &knn_work_cpu);
   m.impl("radius_aggregate_fwd", &radius_aggregate_fwd_cpu);

@@ -62,6 +62,20 @@ inline void check_queries(const at::Tensor& p_query, int64_t limit, const char* 
                                                   p_query.size(0)));
 }
 
+// An output buffer of knn_out: (M, k) of `dtype`, contiguous, on the clouds' device.
+inline void check_out(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                      const char* dtype_name, const at::Tensor& p_query, int64_t k) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, msg(name, ": expected dtype ", dtype_name,
+                                                 ", got ", t.scalar_type()));
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == p_query.size(0) && t.size(1) == k,
+                    msg(name, ": expected shape (", p_query.size(0), ", ", k,
+                        ") (M, k), got ", t.sizes()));
+  TORCH_CHECK_VALUE(t.is_contiguous(), msg(name, ": expected a contiguous tensor"));
+  TORCH_CHECK_VALUE(t.device() == p_query.device(),
+                    msg(name, ": expected a tensor on ", p_query.device(),
+                        " like p_query, got ", t.device()));
+}
+
 inline void check_lanes(int64_t lanes) {
   std::string expected;  // "1, 4, 8, 16 or 32"
   for (int b = 0, last = 31 - __builtin_clz(EK_LANES_BITS); b <= last; ++b) {

@@ -387,21 +387,33 @@ void search(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> knn_cuda(const at::Tensor& p_query,
-                                            const at::Tensor& p_ref, int64_t k,
-                                            int64_t lanes, c10::string_view index) {
+// The search into the caller's buffers (knn_out): no allocation, so that a CUDA graph
+// can keep them between replays.
+void knn_out_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
+                  at::Tensor& distances, at::Tensor& indices, int64_t lanes,
+                  c10::string_view index) {
   check_clouds(p_query, p_ref);
   check_queries(p_query, kMaxQueries,
                 "the fused tree search lists query rows as 32-bit integers");
   check_k(k, p_ref.size(0));
   check_lanes(lanes);
   const Index which = check_index(index);
+  check_out(distances, "distances", at::kFloat, "torch.float32", p_query, k);
+  check_out(indices, "indices", at::kLong, "torch.int64", p_query, k);
   const c10::cuda::CUDAGuard guard(p_query.device());
   check_finite(p_query, p_ref, capturing());
+  search(p_query, p_ref, k, 0.0f, lanes, which, nullptr, nullptr, distances, indices);
+}
+
+std::tuple<at::Tensor, at::Tensor> knn_cuda(const at::Tensor& p_query,
+                                            const at::Tensor& p_ref, int64_t k,
+                                            int64_t lanes, c10::string_view index) {
+  check_clouds(p_query, p_ref);  // before the buffers are sized from them
+  check_k(k, p_ref.size(0));
   const int64_t m = p_query.size(0);
   at::Tensor distances = at::empty({m, k}, p_query.options());
   at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
-  search(p_query, p_ref, k, 0.0f, lanes, which, nullptr, nullptr, distances, indices);
+  knn_out_cuda(p_query, p_ref, k, distances, indices, lanes, index);
   return {distances, indices};
 }
 
@@ -984,6 +996,7 @@ at::Tensor radius_aggregate_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
 
 TORCH_LIBRARY_IMPL(extkernels_fused, CUDA, m) {
   m.impl("knn", &knn_cuda);
+  m.impl("knn_out", &knn_out_cuda);
   m.impl("knn_aggregate_fwd", &knn_aggregate_fwd_cuda);
   m.impl("radius_aggregate_fwd", &radius_aggregate_fwd_cuda);
   m.impl("radius_aggregate_bwd", &radius_aggregate_bwd_cuda);
