@@ -310,6 +310,14 @@ def test_stable_coverage_lists_the_aten_calls_of_the_sources():
     assert not table.loc["cumsum", "in torch::stable"]
 
 
+def test_stable_coverage_reads_the_folders_it_is_given(tmp_path):
+    (tmp_path / "a.cpp").write_text("at::empty({1}); at::empty({2}); at::cumsum(x, 0);")
+    table = build.stable_coverage([tmp_path])
+    assert table["calls"].to_dict() == {"empty": 2, "cumsum": 1}
+    both = build.stable_coverage([tmp_path, build.CSRC])
+    assert both.loc["empty", "calls"] == 2 + build.stable_coverage().loc["empty", "calls"]
+
+
 # ------------------------------------------ the Python half and chapter 9's helpers
 
 

@@ -116,10 +116,14 @@ def summary() -> pd.DataFrame:
     return pd.Series(rows, name="extension").to_frame()
 
 
-def stable_coverage() -> pd.DataFrame:
+def stable_coverage(dirs: list[Path] | None = None) -> pd.DataFrame:
     """The ATen functions the sources call (``at::name(``), and whether the ABI-stable
     API (``torch/csrc/stable/ops.h``, PyTorch >= 2.9) offers a function of that name:
     what porting the extension to ``STABLE_TORCH_LIBRARY`` would have to replace.
+
+    Args:
+        dirs: the source folders to read (default: this library's ``csrc/``; the fused
+            library's are its own and this one's).
 
     Returns:
         DataFrame indexed by function, with ``calls`` (in the sources) and ``in
@@ -129,7 +133,7 @@ def stable_coverage() -> pd.DataFrame:
     from torch.utils.cpp_extension import include_paths
 
     calls: dict[str, int] = {}
-    for path in sorted(CSRC.iterdir()):
+    for path in sorted(p for d in dirs or [CSRC] for p in Path(d).iterdir()):
         for name in re.findall(r"\bat::([a-z_]+)\(", path.read_text()):
             calls[name] = calls.get(name, 0) + 1
     headers = [Path(p) / "torch/csrc/stable/ops.h" for p in include_paths()]
