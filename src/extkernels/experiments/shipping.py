@@ -1,5 +1,7 @@
 """Taking the projector out of the Python process that compiled it: ``torch.export``,
-AOTInductor packages, and running a package in a fresh process.
+AOTInductor packages, and running a package in a fresh process. The C++ operators of
+chapters 9 and 11 travel as their libraries; the Python-defined ones of chapters 3 and
+5 need their Python.
 
 :func:`operator_nodes` lists the custom operators an exported program calls;
 :func:`package` exports a model and compiles it into an AOTInductor package (``.pt2``);
