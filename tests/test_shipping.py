@@ -71,3 +71,18 @@ def test_a_python_operator_in_a_package_needs_its_python(tmp_path):
         pt2, INPUTS, expected, imports=["extkernels.ops.warp"], seconds=0.1
     )
     assert ran["error"] is None and ran["max_abs_diff"] < 1e-5
+
+
+def test_a_package_runs_from_cpp_with_the_libraries_it_calls(tmp_path):
+    model = _model(KnnAggregation(5, 0.1, backend="fused"))
+    with torch.no_grad():
+        expected = model(*INPUTS)
+    pt2 = shipping.package(model, INPUTS, tmp_path / "fused.pt2")
+    both = [cpp_build.library_file(), fused_build.library_file()]
+    ran = shipping.run_cpp(pt2, INPUTS, expected, libraries=both)
+    assert ran["error"] is None and ran["max_abs_diff"] < 1e-5 and ran["ms"] > 0
+    # the fused CPU search reaches the C++ backend's gather through the dispatcher
+    alone = shipping.run_cpp(pt2, INPUTS, expected, libraries=both[1:])
+    assert alone["error"] == "Could not find schema for extkernels_cpp::gather."
+    bare = shipping.run_cpp(pt2, INPUTS, expected)
+    assert bare["error"].startswith("Could not find schema for extkernels_fused::")

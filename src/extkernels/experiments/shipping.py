@@ -8,7 +8,9 @@ chapters 9 and 11 travel as their libraries; the Python-defined ones of chapters
 :func:`run_fresh` loads a package in a new Python process that imports neither this
 package nor the Python that defined the operators, only the operator libraries it is
 given (``torch.ops.load_library``), and reports what happened: the error, or the
-largest difference from the expected output and the milliseconds per call.
+largest difference from the expected output and the milliseconds per call;
+:func:`run_cpp` does the same from a C++ program (``csrc/aoti_run.cpp``, built just in
+time by :func:`cpp_runner` with ``AOTIModelPackageLoader``), with no Python at all.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["operator_nodes", "package", "run_fresh"]
+__all__ = ["operator_nodes", "package", "run_fresh", "cpp_runner", "run_cpp"]
 
 #: Namespaces of PyTorch's own operators (everything else is a custom operator).
 TORCH_NAMESPACES = {"aten", "prims", "higher_order"}
@@ -110,3 +112,42 @@ def run_fresh(
     if done.returncode:
         raise RuntimeError(f"run_fresh: the process failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def cpp_runner(verbose: bool = False) -> Path:
+    """The C++ program of ``csrc/aoti_run.cpp``, built just in time against this
+    PyTorch's libraries (``torch.utils.cpp_extension.load`` with ``is_standalone``)."""
+    from torch.utils import cpp_extension
+
+    return Path(
+        cpp_extension.load(
+            name="extkernels_aoti_run",
+            sources=[str(Path(__file__).parent / "csrc" / "aoti_run.cpp")],
+            extra_cflags=["-O2"],
+            is_python_module=False,
+            is_standalone=True,
+            verbose=verbose,
+        )
+    )
+
+
+def run_cpp(
+    pt2: Path, inputs: tuple, expected: torch.Tensor, *, libraries: list[Path] = ()
+) -> dict:
+    """Run the package ``pt2`` from :func:`cpp_runner`'s program after it loads
+    ``libraries``: ``first_call_s`` (the loader's constructor and the first call),
+    ``max_abs_diff`` from ``expected`` and ``ms`` per later call (50 calls); ``error``,
+    the first line of the error where the load or the first call failed."""
+    program = cpp_runner()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data.pt"
+        torch.save((*inputs, expected), data)
+        done = subprocess.run(
+            [str(program), str(pt2), str(data), *map(str, libraries)],
+            capture_output=True,
+            text=True,
+        )
+    if done.returncode:
+        lines = (done.stderr.strip() or "no error output").splitlines()
+        return {"error": lines[-1]}
+    return {"error": None, **json.loads(done.stdout.splitlines()[-1])}
