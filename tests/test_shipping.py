@@ -48,11 +48,22 @@ def test_the_operators_export_as_themselves_and_survive_decomposition(
     torch.testing.assert_close(decomposed.module()(*INPUTS), eager)
 
 
-def test_a_package_runs_in_a_fresh_process_with_the_libraries_alone(tmp_path):
-    model = _model(KnnAggregation(5, 0.1, backend="fused"))
+def _packaged(aggregation, path):
+    """The model around ``aggregation`` packaged into ``path``, and its eager output."""
+    model = _model(aggregation)
     with torch.no_grad():
         expected = model(*INPUTS)
-    pt2 = shipping.package(model, INPUTS, tmp_path / "fused.pt2")
+    return shipping.package(model, INPUTS, path), expected
+
+
+@pytest.fixture(scope="module")
+def fused_package(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pt2") / "fused.pt2"
+    return _packaged(KnnAggregation(5, 0.1, backend="fused"), path)
+
+
+def test_a_package_runs_in_a_fresh_process_with_the_libraries_alone(fused_package):
+    pt2, expected = fused_package
     libraries = [cpp_build.library_file(), fused_build.library_file()]
     ran = shipping.run_fresh(pt2, INPUTS, expected, libraries=libraries, seconds=0.1)
     assert ran["error"] is None and ran["max_abs_diff"] < 1e-5 and ran["ms"] > 0
@@ -61,10 +72,8 @@ def test_a_package_runs_in_a_fresh_process_with_the_libraries_alone(tmp_path):
 
 
 def test_a_python_operator_in_a_package_needs_its_python(tmp_path):
-    model = _model(RadiusAggregation(0.3, 0.1, backend="warp"))
-    with torch.no_grad():
-        expected = model(*INPUTS)
-    pt2 = shipping.package(model, INPUTS, tmp_path / "warp.pt2")
+    aggregation = RadiusAggregation(0.3, 0.1, backend="warp")
+    pt2, expected = _packaged(aggregation, tmp_path / "warp.pt2")
     bare = shipping.run_fresh(pt2, INPUTS, expected, seconds=0.1)
     assert "cannot be run via AOTI without Python" in bare["error"]
     ran = shipping.run_fresh(
@@ -73,11 +82,8 @@ def test_a_python_operator_in_a_package_needs_its_python(tmp_path):
     assert ran["error"] is None and ran["max_abs_diff"] < 1e-5
 
 
-def test_a_package_runs_from_cpp_with_the_libraries_it_calls(tmp_path):
-    model = _model(KnnAggregation(5, 0.1, backend="fused"))
-    with torch.no_grad():
-        expected = model(*INPUTS)
-    pt2 = shipping.package(model, INPUTS, tmp_path / "fused.pt2")
+def test_a_package_runs_from_cpp_with_the_libraries_it_calls(fused_package):
+    pt2, expected = fused_package
     both = [cpp_build.library_file(), fused_build.library_file()]
     ran = shipping.run_cpp(pt2, INPUTS, expected, libraries=both)
     assert ran["error"] is None and ran["max_abs_diff"] < 1e-5 and ran["ms"] > 0
