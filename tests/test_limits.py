@@ -145,56 +145,43 @@ def triton_backward_neighbours(device, over):
     return lambda: ops.knn_aggregate_bwd(g, w, i, 64), "weights"
 
 
-def cpp_knn_points(device, over):
-    max_points, _, _ = _cpp_limits()
-    q, r = _clouds(device, m=10, n=max_points + over)
-    return lambda: torch.ops.extkernels_cpp.knn(q, r, 4), "p_ref"
+def _library_case(qualname: str, refused: str, limit: str, *args):
+    """A case of a C++ library's operator ``qualname``: its clouds sized by ``limit``
+    (``points``, ``queries`` or ``radius queries``) in the argument ``refused``, with
+    features where it aggregates, then ``args``."""
+
+    def case(device, over):
+        sizes = ("points", "queries", "radius queries")
+        limits = dict(zip(sizes, _cpp_limits(), strict=True))
+        size = limits[limit] + over
+        m, n = (size, 64) if refused == "p_query" else (10, size)
+        f = 2 if "aggregate" in qualname else None
+        clouds = _clouds(device, m=m, n=n, f=f)
+        namespace, name = qualname.split("::")
+        op = getattr(getattr(torch.ops, namespace), name)
+        return lambda: op(*clouds, *args), refused
+
+    return case
 
 
-def cpp_aggregate_points(device, over):
-    max_points, _, _ = _cpp_limits()
-    q, r, f = _clouds(device, m=10, n=max_points + over, f=2)
-    op = torch.ops.extkernels_cpp.knn_aggregate_fwd
-    return lambda: op(q, r, f, 4, 0.1), "p_ref"
-
-
-def fused_knn_queries(device, over):
-    _, max_queries, _ = _cpp_limits()
-    q, r = _clouds(device, m=max_queries + over, n=64)
-    return lambda: torch.ops.extkernels_fused.knn(q, r, 4), "p_query"
-
-
-def fused_knn_points(device, over):
-    max_points, _, _ = _cpp_limits()
-    q, r = _clouds(device, m=10, n=max_points + over)
-    return lambda: torch.ops.extkernels_fused.knn(q, r, 4), "p_ref"
-
-
-def fused_knn_work_points(device, over):
-    max_points, _, _ = _cpp_limits()
-    q, r = _clouds(device, m=10, n=max_points + over)
-    return lambda: torch.ops.extkernels_fused.knn_work(q, r, 4), "p_ref"
-
-
-def fused_aggregate_queries(device, over):
-    _, max_queries, _ = _cpp_limits()
-    q, r, f = _clouds(device, m=max_queries + over, n=64, f=2)
-    op = torch.ops.extkernels_fused.knn_aggregate_fwd
-    return lambda: op(q, r, f, 4, 0.1), "p_query"
-
-
-def fused_radius_queries(device, over):
-    _, _, max_radius = _cpp_limits()
-    q, r, f = _clouds(device, m=max_radius + over, n=64, f=2)
-    op = torch.ops.extkernels_fused.radius_aggregate_fwd
-    return lambda: op(q, r, f, 0.1, 0.1), "p_query"
-
-
-def fused_radius_points(device, over):
-    max_points, _, _ = _cpp_limits()
-    q, r, f = _clouds(device, m=10, n=max_points + over, f=2)
-    op = torch.ops.extkernels_fused.radius_aggregate_fwd
-    return lambda: op(q, r, f, 0.1, 0.1), "p_ref"
+LIBRARY_CASES = {
+    "cpp_knn_points": ("extkernels_cpp::knn", "p_ref", "points", 4),
+    "cpp_aggregate_points": (
+        "extkernels_cpp::knn_aggregate_fwd", "p_ref", "points", 4, 0.1,
+    ),
+    "fused_knn_queries": ("extkernels_fused::knn", "p_query", "queries", 4),
+    "fused_knn_points": ("extkernels_fused::knn", "p_ref", "points", 4),
+    "fused_knn_work_points": ("extkernels_fused::knn_work", "p_ref", "points", 4),
+    "fused_aggregate_queries": (
+        "extkernels_fused::knn_aggregate_fwd", "p_query", "queries", 4, 0.1,
+    ),
+    "fused_radius_queries": (
+        "extkernels_fused::radius_aggregate_fwd", "p_query", "radius queries", 0.1, 0.1,
+    ),
+    "fused_radius_points": (
+        "extkernels_fused::radius_aggregate_fwd", "p_ref", "points", 0.1, 0.1,
+    ),
+}  # fmt: skip
 
 
 def _neighbours(m, device):
@@ -231,14 +218,10 @@ OPERATOR_CASES = [
     pytest.param(triton_aggregate_neighbours, marks=needs_triton),
     pytest.param(triton_backward_features, marks=needs_triton),
     pytest.param(triton_backward_neighbours, marks=needs_triton),
-    pytest.param(cpp_knn_points, marks=needs_cpp),
-    pytest.param(cpp_aggregate_points, marks=needs_cpp),
-    pytest.param(fused_knn_queries, marks=needs_cpp),
-    pytest.param(fused_knn_points, marks=needs_cpp),
-    pytest.param(fused_knn_work_points, marks=needs_cpp),
-    pytest.param(fused_aggregate_queries, marks=needs_cpp),
-    pytest.param(fused_radius_queries, marks=needs_cpp),
-    pytest.param(fused_radius_points, marks=needs_cpp),
+    *(
+        pytest.param(_library_case(*spec), marks=needs_cpp, id=name)
+        for name, spec in LIBRARY_CASES.items()
+    ),
     pytest.param(ptx_gather_scalars, marks=needs_ptx),
     pytest.param(ptx_gather_vectors, marks=needs_ptx),
     pytest.param(ptx_scatter, marks=needs_ptx),
