@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["find", "fingerprint", "loaded"]
+__all__ = ["find", "fingerprint", "load", "loaded"]
 
 
 def fingerprint(dirs: list[Path], flags: list[str]) -> str:
@@ -35,6 +35,16 @@ def fingerprint(dirs: list[Path], flags: list[str]) -> str:
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update("\0".join(flags).encode())
     return digest.hexdigest()
+
+
+def load(name: str, dirs: list[Path], flags: list[str]) -> Path | None:
+    """Load the prebuilt library ``name`` with ``torch.ops.load_library`` where
+    :func:`find` gives one for this machine (CUDA kernels where a GPU is here); its
+    file, or ``None`` where the caller must build just in time."""
+    path = find(name, dirs, flags, cuda=torch.cuda.is_available())
+    if path is not None:
+        torch.ops.load_library(path)
+    return path
 
 
 def loaded(prefix: str) -> Path:

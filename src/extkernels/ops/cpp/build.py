@@ -68,11 +68,8 @@ def load(verbose: bool = False) -> None:
     extension, once per process."""
     global build_seconds, prebuilt_path
     start = time.perf_counter()
-    path = prebuilt.find("cpp", [CSRC], [], cuda=torch.cuda.is_available())
-    if path is not None:
-        torch.ops.load_library(path)
-        prebuilt_path = path
-    else:
+    prebuilt_path = prebuilt.load("cpp", [CSRC], [])
+    if prebuilt_path is None:
         _build(verbose)
     build_seconds = time.perf_counter() - start
 

@@ -62,8 +62,8 @@ def _call(name, *args):
 
 
 def _check_queries(op: str, p_query) -> None:
-    """The kernels' limit on the queries (:func:`~.ops.check_queries`), which the C++
-    operators do not check themselves: their fakes and these entry points do."""
+    """The kernels' limit on the queries (:func:`~.ops.check_queries`), checked here
+    as in the fakes, before the call (the CUDA operators check it again)."""
     prepare()
     from .ops import check_queries
 
@@ -103,9 +103,10 @@ def knn_out(
     float32 and ``indices`` ``(M, k)`` int64 on the clouds' device (the operator
     ``extkernels_fused::knn_out``, which allocates nothing on the GPU)."""
     k = checks.check_knn(p_query, p_ref, k)
-    m = p_query.shape[0]
-    checks.check_buffer("distances", distances, (m, k), "M, k", torch.float32, p_query)
-    checks.check_buffer("indices", indices, (m, k), "M, k", torch.int64, p_query)
+    prepare()
+    from .ops import check_out
+
+    check_out(p_query, k, distances, indices)
     _check_queries("knn", p_query)
     _call("knn_out", p_query, p_ref, k, distances, indices, lanes, index)
 

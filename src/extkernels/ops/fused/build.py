@@ -8,8 +8,6 @@ loaded instead (:mod:`~extkernels.ops.prebuilt`)."""
 import functools
 from pathlib import Path
 
-import torch
-
 from .. import prebuilt
 from ..cpp import build as cpp_build
 
@@ -66,15 +64,12 @@ def sources(cuda: bool) -> list[Path]:
 def load(verbose: bool = False) -> None:
     """Load the prebuilt library, or compile (or find in the cache) and load it, once
     per process."""
+    global prebuilt_path
     from torch.utils import cpp_extension
 
     cpp_build.load()
-    dirs, flags = [CSRC, cpp_build.CSRC], defines()
-    path = prebuilt.find("fused", dirs, flags, cuda=torch.cuda.is_available())
-    if path is not None:
-        global prebuilt_path
-        torch.ops.load_library(path)
-        prebuilt_path = path
+    prebuilt_path = prebuilt.load("fused", [CSRC, cpp_build.CSRC], defines())
+    if prebuilt_path is not None:
         return
     cuda = cpp_build.arch_list() is not None
     cpp_extension.load(

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_QUERIES",
     "MAX_RADIUS_QUERIES",
     "cell_capacity",
+    "check_out",
     "check_queries",
 ]
 
@@ -83,14 +84,19 @@ def _check_lanes(lanes: int) -> int:
 
 @torch.library.register_fake("extkernels_fused::knn")
 def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
-    k = check_knn(p_query, p_ref, k, values=False)
-    cpp_ops.check_max_points(p_ref)
-    k = cpp_ops.check_max_k(k)
+    out = cpp_ops.knn_fake(p_query, p_ref, k)  # chapter 9's checks and outputs
     check_queries("knn", p_query)
     _check_lanes(lanes)
     _check_index(index)
+    return out
+
+
+def check_out(p_query, k: int, distances, indices) -> None:
+    """The buffers of ``knn_out``: ``(M, k)`` float32 distances and int64 indices,
+    contiguous, on the clouds' device (its fake and its entry point check them)."""
     m = p_query.shape[0]
-    return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+    check_buffer("distances", distances, (m, k), "M, k", torch.float32, p_query)
+    check_buffer("indices", indices, (m, k), "M, k", torch.int64, p_query)
 
 
 @torch.library.register_fake("extkernels_fused::knn_out")
@@ -98,9 +104,7 @@ def _knn_out_fake(
     p_query, p_ref, k, distances, indices, lanes=DEFAULT_LANES, index=DEFAULT_INDEX
 ):
     knn_fake(p_query, p_ref, k, lanes, index)  # the search's own checks
-    m = p_query.shape[0]
-    check_buffer("distances", distances, (m, k), "M, k", torch.float32, p_query)
-    check_buffer("indices", indices, (m, k), "M, k", torch.int64, p_query)
+    check_out(p_query, k, distances, indices)
 
 
 @torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")
