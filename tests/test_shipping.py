@@ -3,6 +3,9 @@ export as themselves and survive decomposition; a package runs in a fresh proces
 loads only the operator libraries, fails there with PyTorch's error without them, and
 a Python-defined operator runs there only where its Python is imported."""
 
+import functools
+import os
+
 import pytest
 import torch
 
@@ -92,3 +95,113 @@ def test_a_package_runs_from_cpp_with_the_libraries_it_calls(fused_package):
     assert alone["error"] == "Could not find schema for extkernels_cpp::gather."
     bare = shipping.run_cpp(pt2, INPUTS, expected)
     assert bare["error"].startswith("Could not find schema for extkernels_fused::")
+
+
+def test_every_backend_packages_and_runs_where_its_operators_exist(tmp_path):
+    table = shipping.package_table(extkernels.problem(), tmp_path)
+    # a C++ operator needs its library, nothing else
+    assert (
+        "Could not find schema for extkernels_cpp::"
+        in table.at["cpp", "nothing loaded"]
+    )
+    assert table.at["cpp", "its libraries"].startswith("runs")
+    # a Python operator needs its Python, and says so
+    assert "without Python" in table.at["warp", "nothing loaded"]
+    assert table.at["warp", "and its Python"].startswith("runs")
+    # PyTorch's own operators and a triton_op need nothing
+    assert table.at["torch", "nothing loaded"].startswith("runs")
+    assert table.at["triton", "nothing loaded"].startswith("runs")
+
+
+def test_the_export_table_names_each_backends_operator():
+    table = shipping.export_table(extkernels.problem())
+    assert table.at["cpp", "exported"] == "extkernels_cpp::knn_aggregate_fwd"
+    assert table.at["warp", "after run_decompositions"].startswith("warp::")
+    assert table.at["torch", "exported"] == "none: ATen only"
+
+
+def test_outcome_words_a_run():
+    assert shipping.outcome(None) == "–"
+    assert shipping.outcome({"error": "RuntimeError: Could not find"}) == (
+        "Could not find"
+    )
+    assert shipping.outcome({"error": None, "max_abs_diff": 0.0}) == (
+        "runs (max |diff| 0e+00)"
+    )
+
+
+def test_a_packaged_variant_times_forward_passes_only(small_problem):
+    from extkernels import variants
+
+    row = variants.run(variants.get("knn/cpp+aoti"), small_problem)
+    assert row["forward_ms"] > 0 and row["first_call_s"] > 0
+    assert row["train_ms"] != row["train_ms"]  # NaN: a package has no backward
+
+
+def test_just_in_time_leaves_the_wheel_unused_and_empties_the_cache_when_cold(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(shipping.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.delenv("EXTKERNELS_PREBUILT", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
+    cache = tmp_path / "extkernels-jit"
+    (cache / "old").mkdir(parents=True)
+    shipping.just_in_time(cold=False)
+    assert (cache / "old").exists()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(cache)
+    assert os.environ["EXTKERNELS_PREBUILT"] == "0"
+    shipping.just_in_time(cold=True)
+    assert not (cache / "old").exists()
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@CUDA
+def test_a_cuda_package_runs_from_cpp(tmp_path):
+    model = _model(KnnAggregation(5, 0.1, backend="fused")).cuda()
+    inputs = tuple(t.cuda() for t in INPUTS)
+    with torch.no_grad():
+        expected = model(*inputs)
+    pt2 = shipping.package(model, inputs, tmp_path / "fused.pt2")
+    both = [cpp_build.library_file(), fused_build.library_file()]
+    ran = shipping.run_cpp(pt2, inputs, expected, libraries=both)
+    assert ran["error"] is None and ran["max_abs_diff"] < 1e-5, ran
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_graphs_replay_a_search_into_owned_buffers_and_skip_one_into_arguments():
+    from extkernels.ops import fused
+
+    q, p = (t.cuda() for t in INPUTS)
+    k = 5
+
+    class Search(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("d", torch.empty(q.shape[0], k))
+            self.register_buffer("i", torch.empty(q.shape[0], k, dtype=torch.long))
+
+        def forward(self, q, p):
+            fused.knn_out(q, p, k, self.d, self.i)
+            return self.i.clone()
+
+    def into(q, p, d, i):
+        fused.knn_out(q, p, k, d, i)
+        return i.clone()
+
+    d = torch.empty(q.shape[0], k, device="cuda")
+    i = torch.empty(q.shape[0], k, dtype=torch.long, device="cuda")
+    compile = functools.partial(torch.compile, mode="reduce-overhead", fullgraph=True)
+    table = shipping.graph_table(
+        {
+            "buffers": functools.partial(compile(Search().cuda()), q, p),
+            "arguments": functools.partial(compile(into), q, p, d, i),
+        },
+        n_iters=3,
+    )
+    assert table.at["buffers", "CUDA graph"] == "replayed"
+    assert table.at["arguments", "CUDA graph"] == "skipped"
+    assert torch.equal(i, extkernels.knn(q, p, k, backend="fused")[1])

@@ -22,6 +22,7 @@ from .timing import summary, verdict
 
 __all__ = [
     "BENCHMARK",
+    "SHIPPING",
     "load",
     "recorded",
     "source",
@@ -57,6 +58,11 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
 
 # The benchmark command's H200 results, relative to book/ (chapters run there)
 BENCHMARK = "data/benchmark-h200.json"
+
+# The benchmark command's runs of chapter 15's variants (a first call that builds the
+# libraries just in time, packaged projectors beside compiled ones), in a run of their
+# own
+SHIPPING = "data/benchmark-shipping-h200.json"
 
 
 def recorded(names: list[str], path: str | Path = BENCHMARK) -> pd.DataFrame:

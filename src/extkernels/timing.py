@@ -118,6 +118,7 @@ def time_projector(
     n_iters: int,
     params=None,
     graphs: bool = False,
+    train: bool = True,
 ) -> dict[str, float]:
     """Time a projector by the book's protocol.
 
@@ -128,11 +129,24 @@ def time_projector(
         graphs: time replays of the forward pass and of the training step, each captured
             in a CUDA graph after the warm-up (:mod:`extkernels.graphs`); every replay
             recomputes everything, neighbours included.
+        train: time the training step too; without it (a packaged model, which has
+            no backward: chapter 15) ``train_ms`` is NaN and ``peak_mb`` is the
+            forward pass's.
 
     Returns:
         ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training
         step.
     """
+    if not train:
+        forward = make_forward(model, p_query, p_ref)
+        for _ in range(n_warmup):
+            forward()
+        with value_checks(False):
+            return {
+                "forward_ms": time_fn(forward, n_iters),
+                "train_ms": math.nan,
+                "peak_mb": peak_memory_mb(forward, p_ref.device),
+            }
     params = params if params is not None else model.parameters()
     if graphs:
         forward = captured_forward(model, p_query, p_ref, warmup=n_warmup)
@@ -199,9 +213,9 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     def median_and_range(metric: str) -> list[str]:
         cols = (f"{metric}_ms", f"{metric}_min", f"{metric}_max")
         return [
-            f"{m:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+            f"{m:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})" if m == m else "–"
             for m, lo, hi in df[list(cols)].values
-        ]
+        ]  # "–": not timed (a packaged model has no training step)
 
     out = pd.DataFrame(
         {

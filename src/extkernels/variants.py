@@ -22,12 +22,13 @@ import torch
 
 from .clouds import workload
 from .data import query_grid, reference_cloud, targets
+from .experiments import shipping
 from .memory import use_rmm_pool
 from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation
 from .ops import backends
 from .problem import Problem
 from .timing import Timing, first_call_seconds, time_projector
-from .training import make_train_step
+from .training import make_forward, make_train_step
 
 __all__ = ["FLOOR", "Variant", "VARIANTS", "get", "run", "baseline_of", "chapters"]
 
@@ -65,6 +66,12 @@ class Variant:
         cloud: the reference cloud and queries, one of
             :data:`extkernels.clouds.GEOMETRIES` (chapter 14); ``"normal"`` is the
             book's cloud on its query grid.
+        jit: build the C++ libraries just in time, as a process without the
+            ``extkernels-native`` wheel does, and in the cold run into an empty
+            extension cache: the first call a reader's first run pays (chapter 15).
+        package: forward passes only, of the model exported and compiled by
+            AOTInductor into a package and loaded back with ``aoti_load_package``
+            (chapter 15); ``first_call_s`` is the load and the first call.
     """
 
     name: str
@@ -80,6 +87,8 @@ class Variant:
     graphs: bool = False
     mode: str | None = None
     cloud: str = "normal"
+    jit: bool = False
+    package: bool = False
 
     @property
     def op(self) -> str:
@@ -95,6 +104,8 @@ class Variant:
             return f"backend {self.backend!r} cannot run on this machine"
         if self.graphs and not torch.cuda.is_available():
             return "CUDA graphs need a CUDA GPU"
+        if self.jit and self.backend not in ("cpp", "fused"):
+            return f"backend {self.backend!r} has no library to build"
         return None
 
     def build(self, prob: Problem):
@@ -127,12 +138,32 @@ class Variant:
             )
         torch.manual_seed(prob.seed)
         model = Projector(agg, prob.hidden).to(prob.device)
+        if self.package:
+            return (
+                model,
+                shipping.Packaged(model, p_query, p_ref),
+                (p_query, p_ref, target),
+            )
         run_model = (
             torch.compile(model, fullgraph=self.fullgraph, mode=self.mode)
             if self.compile
             else model
         )
         return model, run_model, (p_query, p_ref, target)
+
+
+def _compiled(name: str, backend: str, chapter: int, **options) -> Variant:
+    """A variant compiled with ``fullgraph=True``, named ``workload/...``."""
+    workload = name.partition("/")[0]
+    return Variant(
+        name,
+        workload,
+        backend,
+        compile=True,
+        fullgraph=True,
+        chapter=chapter,
+        **options,
+    )
 
 
 def _elsewhere(workload: str, cloud: str, *, grid: bool = False) -> Variant:
@@ -152,9 +183,7 @@ def _elsewhere(workload: str, cloud: str, *, grid: bool = False) -> Variant:
 
 VARIANTS: list[Variant] = [
     Variant("knn/torch", "knn", "torch", chapter=1),
-    Variant(
-        "knn/torch+compile", "knn", "torch", compile=True, fullgraph=True, chapter=2
-    ),
+    _compiled("knn/torch+compile", "torch", 2),
     Variant("knn/cuml", "knn", "cuml", chapter=3, options={"as_op": False}),
     Variant(
         "knn/cuml+compile",
@@ -165,156 +194,67 @@ VARIANTS: list[Variant] = [
         options={"as_op": False},
     ),
     Variant("knn/cuml-op", "knn", "cuml", chapter=3),
-    Variant(
-        "knn/cuml-op+compile", "knn", "cuml", compile=True, fullgraph=True, chapter=3
-    ),
-    Variant(
-        "knn/cuml-op+compile+rmm",
-        "knn",
-        "cuml",
-        compile=True,
-        fullgraph=True,
-        chapter=4,
-        isolated=True,
-        setup=use_rmm_pool,
-    ),
-    Variant(
+    _compiled("knn/cuml-op+compile", "cuml", 3),
+    _compiled("knn/cuml-op+compile+rmm", "cuml", 4, isolated=True, setup=use_rmm_pool),
+    _compiled(
         "knn/cuml-op+compile+rmm-rapids",
-        "knn",
         "cuml",
-        compile=True,
-        fullgraph=True,
-        chapter=4,
+        4,
         isolated=True,
         setup=functools.partial(use_rmm_pool, pytorch=False),
     ),
     Variant("knn/triton", "knn", "triton", chapter=8),
-    Variant(
-        "knn/triton+compile", "knn", "triton", compile=True, fullgraph=True, chapter=8
-    ),
-    Variant(
-        "knn/triton+reduce-overhead",
-        "knn",
-        "triton",
-        compile=True,
-        fullgraph=True,
-        chapter=8,
-        mode="reduce-overhead",
-    ),
+    _compiled("knn/triton+compile", "triton", 8),
+    _compiled("knn/triton+reduce-overhead", "triton", 8, mode="reduce-overhead"),
     Variant("knn/cpp", "knn", "cpp", chapter=9),
-    Variant("knn/cpp+compile", "knn", "cpp", compile=True, fullgraph=True, chapter=9),
-    Variant(
-        "knn/cpp+reduce-overhead",
-        "knn",
-        "cpp",
-        compile=True,
-        fullgraph=True,
-        chapter=9,
-        mode="reduce-overhead",
-    ),
+    _compiled("knn/cpp+compile", "cpp", 9),
+    _compiled("knn/cpp+reduce-overhead", "cpp", 9, mode="reduce-overhead"),
     Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
     Variant("knn/floor", "knn", FLOOR, chapter=9),
     Variant("knn/floor+graphs", "knn", FLOOR, chapter=9, graphs=True),
     Variant("knn/ptx", "knn", "ptx", chapter=10),
-    Variant("knn/ptx+compile", "knn", "ptx", compile=True, fullgraph=True, chapter=10),
+    _compiled("knn/ptx+compile", "ptx", 10),
     Variant("knn/ptx+graphs", "knn", "ptx", chapter=10, graphs=True),
     Variant("knn/fused", "knn", "fused", chapter=11),
-    Variant(
-        "knn/fused+reduce-overhead",
-        "knn",
-        "fused",
-        compile=True,
-        fullgraph=True,
-        chapter=11,
-        mode="reduce-overhead",
-    ),
+    _compiled("knn/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
     Variant("knn/fused+graphs", "knn", "fused", chapter=11, graphs=True),
-    Variant(
-        "knn/fused+compile+graphs",
-        "knn",
-        "fused",
-        compile=True,
-        fullgraph=True,
-        chapter=11,
-        graphs=True,
-    ),
+    _compiled("knn/fused+compile+graphs", "fused", 11, graphs=True),
     # The same projector on real CAD surfaces queried in the volume around them, and
     # with chapter 11's grid instead of the tree (chapter 14).
     _elsewhere("knn", "panda"),
     _elsewhere("knn", "spitfire"),
     _elsewhere("knn", "normal", grid=True),
     _elsewhere("knn", "panda", grid=True),
+    # Shipped (chapter 15): the fused library built just in time on a first run, and
+    # the projectors compiled in this process against the same compiled into a package.
+    Variant(
+        "knn/fused+graphs+jit",
+        "knn",
+        "fused",
+        chapter=15,
+        graphs=True,
+        isolated=True,
+        jit=True,
+    ),
+    Variant("knn/cpp+aoti", "knn", "cpp", chapter=15, package=True),
+    _compiled("knn/fused+compile", "fused", 15),
+    Variant("knn/fused+aoti", "knn", "fused", chapter=15, package=True),
     Variant("radius/torch", "radius", "torch", chapter=5),
-    Variant(
-        "radius/torch+compile",
-        "radius",
-        "torch",
-        compile=True,
-        fullgraph=True,
-        chapter=5,
-    ),
+    _compiled("radius/torch+compile", "torch", 5),
     Variant("radius/warp", "radius", "warp", chapter=5),
-    Variant(
-        "radius/warp+compile", "radius", "warp", compile=True, fullgraph=True, chapter=6
-    ),
-    Variant(
-        "radius/warp-manual+compile",
-        "radius",
-        "warp",
-        compile=True,
-        fullgraph=True,
-        chapter=6,
-        options={"backward": "manual"},
-    ),
-    Variant(
-        "radius/warp-saved+compile",
-        "radius",
-        "warp",
-        compile=True,
-        fullgraph=True,
-        chapter=6,
-        options={"handover": "saved"},
-    ),
-    Variant(
-        "radius/warp+reduce-overhead",
-        "radius",
-        "warp",
-        compile=True,
-        fullgraph=True,
-        chapter=6,
-        mode="reduce-overhead",
-    ),
+    _compiled("radius/warp+compile", "warp", 6),
+    _compiled("radius/warp-manual+compile", "warp", 6, options={"backward": "manual"}),
+    _compiled("radius/warp-saved+compile", "warp", 6, options={"handover": "saved"}),
+    _compiled("radius/warp+reduce-overhead", "warp", 6, mode="reduce-overhead"),
     Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
-    Variant(
-        "radius/warp+compile+1thread",
-        "radius",
-        "warp",
-        compile=True,
-        fullgraph=True,
-        chapter=7,
-        backward_thread=False,
-    ),
+    _compiled("radius/warp+compile+1thread", "warp", 7, backward_thread=False),
     Variant("radius/warp+graphs", "radius", "warp", chapter=7, graphs=True),
     Variant("radius/fused", "radius", "fused", chapter=11),
-    Variant(
-        "radius/fused+reduce-overhead",
-        "radius",
-        "fused",
-        compile=True,
-        fullgraph=True,
-        chapter=11,
-        mode="reduce-overhead",
-    ),
+    _compiled("radius/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
     Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
-    Variant(
-        "radius/fused+compile+graphs",
-        "radius",
-        "fused",
-        compile=True,
-        fullgraph=True,
-        chapter=11,
-        graphs=True,
-    ),
+    _compiled("radius/fused+compile+graphs", "fused", 11, graphs=True),
+    _compiled("radius/fused+compile", "fused", 15),
+    Variant("radius/fused+aoti", "radius", "fused", chapter=15, package=True),
     _elsewhere("radius", "panda"),
     _elsewhere("radius", "outlier"),
     Variant("radius/floor", "radius", FLOOR, chapter=11),
@@ -356,11 +296,17 @@ def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
     """
     if variant.setup is not None:
         variant.setup()
+    if variant.jit:
+        shipping.just_in_time(cold)
     if variant.compile:
         torch._dynamo.reset()  # nothing compiled earlier in this process is reused
     model, run_model, (p_query, p_ref, target) = variant.build(prob)
     with torch.autograd.set_multithreading_enabled(variant.backward_thread):
-        first = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+        first = (
+            make_forward(run_model, p_query, p_ref)
+            if variant.package
+            else make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+        )
         # Inductor's on-disk caches would turn a recompilation into a lookup: measure it
         # cold.
         with (
@@ -378,6 +324,7 @@ def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
             n_iters=prob.n_iters,
             params=model.parameters(),
             graphs=variant.graphs,
+            train=not variant.package,
         )
     row = Timing(
         variant.name,

@@ -11,34 +11,174 @@ given (``torch.ops.load_library``), and reports what happened: the error, or the
 largest difference from the expected output and the milliseconds per call;
 :func:`run_cpp` does the same from a C++ program (``csrc/aoti_run.cpp``, built just in
 time by :func:`cpp_runner` with ``AOTIModelPackageLoader``), with no Python at all.
+
+The benchmark's chapter-15 variants use :class:`Packaged` (a package loaded back on its
+first call, timed like any projector's forward pass) and :func:`just_in_time` (a
+process that builds the C++ libraries instead of loading the wheel's).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import torch
 
-__all__ = ["operator_nodes", "package", "run_fresh", "cpp_runner", "run_cpp"]
+from ..data import query_grid, reference_cloud
+from ..models import KnnAggregation, Projector, RadiusAggregation
+from ..ops import backends, prebuilt
+from ..ops.cpp import build as cpp_build
+from ..ops.fused import build as fused_build
+from ..problem import Problem
+from ..timing import time_blocks
+
+__all__ = [
+    "BACKENDS",
+    "operator_nodes",
+    "projector",
+    "export_table",
+    "package_table",
+    "outcome",
+    "graph_table",
+    "package",
+    "run_fresh",
+    "cpp_runner",
+    "run_cpp",
+    "Packaged",
+    "just_in_time",
+]
 
 #: Namespaces of PyTorch's own operators (everything else is a custom operator).
 TORCH_NAMESPACES = {"aten", "prims", "higher_order"}
 
 
-def operator_nodes(ep: torch.export.ExportedProgram) -> list[str]:
+def operator_nodes(
+    ep: torch.export.ExportedProgram, *, higher_order: bool = False
+) -> list[str]:
     """The custom operators the exported program's graph calls, in order, as
-    ``namespace::name.overload``."""
+    ``namespace::name.overload``; with ``higher_order`` also PyTorch's higher-order
+    operators (a Triton kernel's wrapper, a functionalised mutation)."""
     names = []
     for node in ep.graph.nodes:
         namespace = getattr(node.target, "namespace", None)
-        if node.op == "call_function" and namespace not in (None, *TORCH_NAMESPACES):
+        if node.op != "call_function":
+            continue
+        if namespace not in (None, *TORCH_NAMESPACES):
+            names.append(node.target.name())
+        elif higher_order and namespace == "higher_order":
             names.append(node.target.name())
     return names
+
+
+#: The projector of each backend that chapter 15 exports and packages: its workload,
+#: the operator libraries a package of it needs (``build.library_file`` of those
+#: backends) and the Python module that defines its operators.
+BACKENDS = {
+    "torch": ("knn", (), None),
+    "cuml": ("knn", (), "extkernels.ops.cuml"),
+    "triton": ("knn", (), "extkernels.ops.triton"),
+    "cpp": ("knn", ("cpp",), None),
+    "ptx": ("knn", ("cpp",), "extkernels.ops.ptx"),
+    "fused": ("knn", ("cpp", "fused"), None),
+    "warp": ("radius", (), "extkernels.ops.warp"),
+}
+
+
+def projector(backend: str, prob: Problem) -> tuple[torch.nn.Module, tuple]:
+    """The projector of ``backend`` (its workload of :data:`BACKENDS`) at ``prob``'s
+    sizes, in eval mode, run once (which loads its library before any trace), and its
+    inputs ``(p_query, p_ref)``."""
+    workload = BACKENDS[backend][0]
+    p_ref = reference_cloud(
+        prob.cloud_size(workload), seed=prob.seed, device=prob.device
+    )
+    p_query = query_grid(prob.grid_side, device=prob.device)
+    if workload == "knn":
+        aggregation = KnnAggregation(prob.k, prob.sigma, backend)
+    else:
+        aggregation = RadiusAggregation(prob.radius, prob.sigma, backend)
+    torch.manual_seed(prob.seed)
+    model = Projector(aggregation, prob.hidden).to(prob.device).eval()
+    with torch.no_grad():
+        model(p_query, p_ref)
+    return model, (p_query, p_ref)
+
+
+def _here() -> list[str]:
+    return [b for b, (w, _, _) in BACKENDS.items() if b in backends(f"{w}_aggregate")]
+
+
+def export_table(prob: Problem) -> pd.DataFrame:
+    """Each backend's projector that runs here, exported: the custom operators its
+    graph calls, and those left after ``run_decompositions`` (higher-order operators
+    included)."""
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(names) or "none: ATen only"
+
+    rows = {}
+    for backend in _here():
+        model, inputs = projector(backend, prob)
+        ep = torch.export.export(model, inputs)
+        decomposed = ep.run_decompositions()
+        rows[backend] = {
+            "exported": listed(operator_nodes(ep)),
+            "after run_decompositions": listed(
+                operator_nodes(decomposed, higher_order=True)
+            ),
+        }
+    return pd.DataFrame(rows).T.rename_axis("backend")
+
+
+def outcome(ran: dict | None) -> str:
+    """A run of :func:`run_fresh` or :func:`run_cpp` in words: "runs" with the largest
+    difference from the expected output, or the error's first line without its type
+    (a dash for no run)."""
+    if ran is None:
+        return "–"
+    if ran["error"]:
+        return ran["error"].removeprefix("RuntimeError: ")
+    return f"runs (max |diff| {ran['max_abs_diff']:.0e})"
+
+
+def package_table(prob: Problem, folder: Path) -> pd.DataFrame:
+    """Each backend's projector that runs here, packaged into ``folder`` and run in
+    fresh processes (:func:`outcome`): with nothing loaded, with its operator
+    libraries, and with those and the Python module that defines its operators
+    imported (a dash where it has no libraries, or no such module)."""
+    libraries = {"cpp": cpp_build.library_file, "fused": fused_build.library_file}
+    rows = {}
+    for backend in _here():
+        _, libs, module = BACKENDS[backend]
+        model, inputs = projector(backend, prob)
+        with torch.no_grad():
+            expected = model(*inputs)
+        fresh = functools.partial(
+            run_fresh,
+            package(model, inputs, folder / f"{backend}.pt2"),
+            inputs,
+            expected,
+            seconds=0.2,
+        )
+
+        loaded = [libraries[n]() for n in libs]
+        rows[backend] = {
+            "nothing loaded": outcome(fresh()),
+            "its libraries": outcome(fresh(libraries=loaded) if libs else None),
+            "and its Python": outcome(
+                fresh(libraries=loaded, imports=[module]) if module else None
+            ),
+        }
+    return pd.DataFrame(rows).T.rename_axis("backend")
 
 
 def package(model: torch.nn.Module, inputs: tuple, path: Path) -> Path:
@@ -137,13 +277,18 @@ def run_cpp(
     """Run the package ``pt2`` from :func:`cpp_runner`'s program after it loads
     ``libraries``: ``first_call_s`` (the loader's constructor and the first call),
     ``max_abs_diff`` from ``expected`` and ``ms`` per later call (50 calls); ``error``,
-    the first line of the error where the load or the first call failed."""
+    the first line of the error where the load or the first call failed. On a GPU the
+    program loads PyTorch's CUDA library first, which the C++ API does not load by
+    itself."""
     program = cpp_runner()
+    device = expected.device.type
+    cuda = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    first = [cuda] if device == "cuda" else []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.pt"
-        torch.save((*inputs, expected), data)
+        torch.save((*(t.cpu() for t in (*inputs, expected)), device), data)
         done = subprocess.run(
-            [str(program), str(pt2), str(data), *map(str, libraries)],
+            [str(program), str(pt2), str(data), *map(str, [*first, *libraries])],
             capture_output=True,
             text=True,
         )
@@ -151,3 +296,53 @@ def run_cpp(
         lines = (done.stderr.strip() or "no error output").splitlines()
         return {"error": lines[-1]}
     return {"error": None, **json.loads(done.stdout.splitlines()[-1])}
+
+
+class Packaged:
+    """A model exported and compiled by AOTInductor into a package (``.pt2``), loaded
+    back on its first call: what a process that ships it pays first (chapter 15)."""
+
+    def __init__(self, model: torch.nn.Module, p_query, p_ref):
+        with torch.no_grad():
+            model.eval()(p_query, p_ref)  # loads the backend's library before the trace
+        folder = Path(tempfile.mkdtemp(prefix="extkernels-"))
+        self.path = package(model, (p_query, p_ref), folder / "projector.pt2")
+        self.runner = None
+
+    def __call__(self, p_query, p_ref):
+        if self.runner is None:
+            self.runner = torch._inductor.aoti_load_package(str(self.path))
+        return self.runner(p_query, p_ref)
+
+
+def just_in_time(cold: bool) -> None:
+    """Leave the prebuilt wheel unused in this process and, for a ``cold`` run, empty
+    the extension cache it builds into (the warm runs load the cold run's build)."""
+    os.environ[prebuilt.ENV] = "0"
+    cache = Path(tempfile.gettempdir()) / "extkernels-jit"
+    if cold:
+        shutil.rmtree(cache, ignore_errors=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(cache)
+
+
+def graph_table(calls: dict[str, Callable[[], object]], n_iters: int) -> pd.DataFrame:
+    """Calls of functions compiled with ``mode="reduce-overhead"``: whether the CUDA
+    graph trees replay each as a graph or skip it (``torch._dynamo``'s counter of
+    skips, over its first three calls), and its milliseconds per call in this process
+    (:func:`~extkernels.timing.time_blocks`: median, fastest and slowest of five
+    blocks of ``n_iters`` calls)."""
+    skips = torch._dynamo.utils.counters["inductor"]
+    rows = {}
+    for name, call in calls.items():
+        before = skips["cudagraph_skips"]
+        for _ in range(3):  # compile, record, replay
+            call()
+        skipped = skips["cudagraph_skips"] > before
+        ms, lo, hi = time_blocks(call, n_iters)
+        rows[name] = {
+            "CUDA graph": "skipped" if skipped else "replayed",
+            "ms per call": ms,
+            "fastest": lo,
+            "slowest": hi,
+        }
+    return pd.DataFrame(rows).T.rename_axis("search")

@@ -9,6 +9,10 @@ where it is not, or where it was built from other sources, with other constants,
 another PyTorch or without the CUDA kernels this machine needs, they build just in time
 as before, and :func:`find` says why in a warning.
 
+``EXTKERNELS_PREBUILT=0`` in the environment leaves the wheel unused: the benchmark's
+``+jit`` variants (chapter 15) time the first call of a process that builds just in
+time on a machine where the wheel is installed.
+
 What must match is written into the wheel when it is built (:func:`fingerprint`): a
 library compiled against one PyTorch's C++ headers loads only into that PyTorch, and a
 library compiled from older sources would run older kernels.
@@ -18,12 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["find", "fingerprint", "load", "loaded"]
+__all__ = ["ENV", "find", "fingerprint", "load", "loaded"]
+
+#: The environment variable that, set to ``0``, leaves the wheel unused.
+ENV = "EXTKERNELS_PREBUILT"
 
 
 def fingerprint(dirs: list[Path], flags: list[str]) -> str:
@@ -63,7 +71,10 @@ def find(name: str, dirs: list[Path], flags: list[str], cuda: bool) -> Path | No
     """The prebuilt library ``name`` (``"cpp"`` or ``"fused"``) of the installed
     ``extkernels-native`` wheel, when it was built from these sources (``dirs``) and
     ``flags``, for this PyTorch, with CUDA kernels where ``cuda``; ``None`` otherwise,
-    with a warning when a wheel is installed but cannot serve."""
+    with a warning when a wheel is installed but cannot serve; ``None`` without one
+    where :data:`ENV` is ``0``."""
+    if os.environ.get(ENV) == "0":
+        return None
     try:
         native = importlib.import_module("extkernels_native")
     except ImportError:

@@ -5,8 +5,10 @@
 // largest difference from the expected output and the milliseconds per later call;
 // where the load or the first call fails, the error's first line on stderr.
 //
-// usage: aoti_run package.pt2 data.pt [operator_library.so ...]
-// data.pt: torch.save((p_query, p_ref, expected)) with _use_new_zipfile_serialization
+// usage: aoti_run package.pt2 data.pt [library.so ...]
+// data.pt: torch.save((p_query, p_ref, expected, device)), the tensors on the CPU and
+// the device ("cpu", "cuda") as a string; on a GPU the first library is PyTorch's own
+// libtorch_cuda.so, which registers the CUDA kernels with the dispatcher
 #include <dlfcn.h>
 
 #include <chrono>
@@ -34,8 +36,9 @@ int main(int argc, char** argv) {
   std::ifstream file(argv[2], std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(file)), {});
   auto data = torch::pickle_load(bytes).toTuple()->elements();
-  const at::Tensor q = data[0].toTensor(), r = data[1].toTensor();
-  const at::Tensor expected = data[2].toTensor();
+  const c10::Device device(data[3].toStringRef());
+  const at::Tensor q = data[0].toTensor().to(device), r = data[1].toTensor().to(device);
+  const at::Tensor expected = data[2].toTensor().to(device);
   c10::InferenceMode inference;
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
@@ -44,6 +47,7 @@ int main(int argc, char** argv) {
   try {
     loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(argv[1]);
     out = loader->run({q, r});
+    if (out[0].is_cuda()) out[0].cpu();  // waits for the device
   } catch (const c10::Error& e) {  // the message's first line, without the backtrace
     const std::string what = e.what_without_backtrace();
     std::cerr << what.substr(0, what.find('\n')) << "\n";
