@@ -282,8 +282,13 @@ def run_cpp(
     itself."""
     program = cpp_runner()
     device = expected.device.type
-    cuda = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
-    first = [cuda] if device == "cuda" else []
+    lib = Path(torch.__file__).parent / "lib"
+    first = [lib / "libtorch_cuda.so"] if device == "cuda" else []
+    # the package's own library names PyTorch's libraries without a path
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.pt"
         torch.save((*(t.cpu() for t in (*inputs, expected)), device), data)
@@ -291,6 +296,7 @@ def run_cpp(
             [str(program), str(pt2), str(data), *map(str, [*first, *libraries])],
             capture_output=True,
             text=True,
+            env=env,
         )
     if done.returncode:
         lines = (done.stderr.strip() or "no error output").splitlines()
