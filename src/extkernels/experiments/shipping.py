@@ -139,12 +139,9 @@ def export_table(prob: Problem) -> pd.DataFrame:
     return pd.DataFrame(rows).T.rename_axis("backend")
 
 
-def outcome(ran: dict | None) -> str:
+def outcome(ran: dict) -> str:
     """A run of :func:`run_fresh` or :func:`run_cpp` in words: "runs" with the largest
-    difference from the expected output, or the error's first line without its type
-    (a dash for no run)."""
-    if ran is None:
-        return "–"
+    difference from the expected output, or the error's first line without its type."""
     if ran["error"]:
         return ran["error"].removeprefix("RuntimeError: ")
     return f"runs (max |diff| {ran['max_abs_diff']:.0e})"
@@ -152,11 +149,12 @@ def outcome(ran: dict | None) -> str:
 
 def package_table(prob: Problem, folder: Path) -> pd.DataFrame:
     """Each backend's projector that runs here, packaged into ``folder`` and run in
-    fresh processes (:func:`outcome`): with nothing loaded, with its operator
-    libraries, and with those and the Python module that defines its operators
-    imported (a dash where it has no libraries, or no such module)."""
+    fresh processes (:func:`outcome`): with nothing loaded, then with its operator
+    libraries where it has any, then with those and the Python module that defines its
+    operators where it has one. One row per run, indexed by backend and what was
+    loaded (a long table, so that error messages wrap on a page)."""
     libraries = {"cpp": cpp_build.library_file, "fused": fused_build.library_file}
-    rows = {}
+    rows = []
     for backend in _here():
         _, libs, module = BACKENDS[backend]
         model, inputs = projector(backend, prob)
@@ -169,16 +167,17 @@ def package_table(prob: Problem, folder: Path) -> pd.DataFrame:
             expected,
             seconds=0.2,
         )
-
         loaded = [libraries[n]() for n in libs]
-        rows[backend] = {
-            "nothing loaded": outcome(fresh()),
-            "its libraries": outcome(fresh(libraries=loaded) if libs else None),
-            "and its Python": outcome(
-                fresh(libraries=loaded, imports=[module]) if module else None
-            ),
-        }
-    return pd.DataFrame(rows).T.rename_axis("backend")
+        runs = {"nothing": fresh()}
+        if libs:
+            runs["its libraries"] = fresh(libraries=loaded)
+        if module:
+            runs["and its Python"] = fresh(libraries=loaded, imports=[module])
+        rows += [
+            {"backend": backend, "loaded": name, "outcome": outcome(ran)}
+            for name, ran in runs.items()
+        ]
+    return pd.DataFrame(rows).set_index(["backend", "loaded"])
 
 
 def package(model: torch.nn.Module, inputs: tuple, path: Path) -> Path:
