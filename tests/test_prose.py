@@ -53,6 +53,7 @@ OPERATOR_CHAPTERS = {
         "fullgraph=True",
     ),
     "14_real_clouds": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
+    "15_shipping": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
 }
 
 BLOCK = re.compile(r"(^(?:`{3,}|:{3,}).*?^(?:`{3,}|:{3,})\s*$)", re.S | re.M)

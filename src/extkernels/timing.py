@@ -137,36 +137,29 @@ def time_projector(
         ``forward_ms`` and ``train_ms`` per iteration, and ``peak_mb`` of one training
         step.
     """
-    if not train:
-        forward = make_forward(model, p_query, p_ref)
-        for _ in range(n_warmup):
-            forward()
-        with value_checks(False):
-            return {
-                "forward_ms": time_fn(forward, n_iters),
-                "train_ms": math.nan,
-                "peak_mb": peak_memory_mb(forward, p_ref.device),
-            }
     params = params if params is not None else model.parameters()
     if graphs:
         forward = captured_forward(model, p_query, p_ref, warmup=n_warmup)
-        step = captured_train_step(
-            model, params, p_query, p_ref, target, warmup=n_warmup
+        step = (
+            captured_train_step(model, params, p_query, p_ref, target, warmup=n_warmup)
+            if train
+            else None
         )
     else:
-        step = make_train_step(model, params, p_query, p_ref, target)
         forward = make_forward(model, p_query, p_ref)
+        step = make_train_step(model, params, p_query, p_ref, target) if train else None
         for _ in range(n_warmup):
             forward()
-            step()
+            if step is not None:
+                step()
     # The warm-up validated the inputs; the timed iterations measure the computation
     # alone, without the host synchronisations that checking values for NaN costs
     # (chapter 7).
     with value_checks(False):
         return {
             "forward_ms": time_fn(forward, n_iters),
-            "train_ms": time_fn(step, n_iters),
-            "peak_mb": peak_memory_mb(step, p_ref.device),
+            "train_ms": math.nan if step is None else time_fn(step, n_iters),
+            "peak_mb": peak_memory_mb(step or forward, p_ref.device),
         }
 
 
