@@ -83,6 +83,38 @@ def test_benchmark_command_records_every_run_and_the_spread(benchmark_run):
     assert row["forward_min"] <= row["forward_ms"] <= row["forward_max"]
 
 
+def test_benchmark_first_run_is_cold_and_the_later_ones_warm(benchmark_run):
+    _, out = benchmark_run
+    cold, warm = json.loads(out.read_text())["runs"]
+    assert cold["first_call_s"] > 0 and cold["warm_first_call_s"] is None
+    assert warm["first_call_s"] is None and warm["warm_first_call_s"] > 0
+
+
+def test_a_variants_runs_share_compiler_caches_that_start_empty(monkeypatch):
+    from extkernels import benchmark
+    from extkernels.problem import problem
+
+    seen = []
+
+    def fake(name, *, cold, caches):
+        folders = {os.path.join(caches, sub) for sub in benchmark.CACHES.values()}
+        seen.append((name, cold, caches, any(os.path.exists(f) for f in folders)))
+        os.makedirs(os.path.join(caches, "triton"), exist_ok=True)  # a run fills it
+        return [V.run(V.get(name), problem(), cold=cold)]
+
+    monkeypatch.setattr(benchmark, "_run_isolated", fake)
+    monkeypatch.setenv("EXTKERNELS_SMALL", "1")
+    benchmark.run_all(["knn/torch", "knn/torch+compile"], repeats=2, verbose=False)
+    assert [(n, c, filled) for n, c, _, filled in seen] == [
+        ("knn/torch", True, False),
+        ("knn/torch", False, True),
+        ("knn/torch+compile", True, False),
+        ("knn/torch+compile", False, True),
+    ]
+    assert seen[0][2] == seen[1][2] != seen[2][2]  # one folder per variant
+    assert not any(os.path.exists(folder) for *_, folder, _ in seen)
+
+
 def test_benchmark_list_names_every_variant(tmp_path):
     proc = _command("extkernels.benchmark", "--list", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

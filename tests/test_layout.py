@@ -19,6 +19,7 @@ MAX_LINES = 400
 EXPERIMENTS = (
     "extkernels.variants",
     "extkernels.benchmark",
+    "extkernels.campaign",  # runs the benchmark, the other commands and the chapters
     "extkernels.experiments",
     "extkernels.distributed.report",  # chapter 13's tables, from chapter 12's crossover
 )

@@ -794,6 +794,22 @@ def test_the_guide_reads_every_number_from_the_measurements():
     assert guide.source_lines("fused") > guide.source_lines("torch")
 
 
+def test_the_guide_gives_the_warm_first_call_where_the_benchmark_measured_it():
+    from extkernels import guide
+    from extkernels.experiments import geometry
+
+    data = Path(__file__).parents[1] / "book" / "data"
+    _, bench = results.load(data / "benchmark-h200.json")
+    _, clouds = results.load(data / "benchmark-clouds-h200.json")
+    _, times, _ = geometry.load(data / "geometry-h200.json")
+    bench = bench.drop(columns="warm_first_call_s", errors="ignore")
+    cold = guide.guide(bench, clouds, times).to_string()
+    assert "first call of a new process" in cold and "caches warm" not in cold
+    bench["warm_first_call_s"] = 0.25
+    warm = guide.guide(bench, clouds, times).to_string()
+    assert "(0.2 s with the compilers' caches warm)" in warm
+
+
 def test_the_answer_reads_the_fastest_steps_and_the_verdicts_from_the_files():
     data = Path(__file__).parents[1] / "book" / "data"
     _, bench = results.load(data / "benchmark-h200.json")

@@ -33,9 +33,20 @@ from .timing import timings_frame
 __all__ = ["run_all", "main"]
 
 
-def _run_isolated(name: str, *, cold: bool = True) -> list[dict]:
-    """``name`` timed in a fresh Python process; ``cold=False`` lets its first call use
-    the compiler's on-disk caches (and report no first-call time)."""
+# The compilers' on-disk caches: Inductor's, Triton's and Warp's kernels.
+CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+CACHES["WARP_CACHE_PATH"] = "warp"
+
+
+def _run_isolated(
+    name: str, *, cold: bool = True, caches: str | None = None
+) -> list[dict]:
+    """``name`` timed in a fresh Python process. ``cold=False`` lets its first call use
+    the compilers' on-disk caches. With ``caches`` (a folder) those caches live there:
+    empty for a variant's first run, what that run left for its later ones."""
+    env = dict(os.environ)
+    if caches is not None:
+        env.update({var: os.path.join(caches, sub) for var, sub in CACHES.items()})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [
@@ -50,7 +61,10 @@ def _run_isolated(name: str, *, cold: bool = True) -> list[dict]:
         # The child's warnings (graph breaks a variant makes on purpose, one-time
         # messages of the libraries) would repeat in every run: shown only on failure.
         child = subprocess.run(
-            cmd + ([] if cold else ["--warm-start"]), capture_output=True, text=True
+            cmd + ([] if cold else ["--warm-start"]),
+            capture_output=True,
+            text=True,
+            env=env,
         )
         if child.returncode != 0:
             raise RuntimeError(
@@ -71,11 +85,11 @@ def run_all(
     """Time the named variants (default: all that can run here) and return the table.
 
     With ``repeats > 1`` every variant runs that many times, each in a fresh Python
-    process; the first run measures its first call cold (no compiler cache), the later
-    ones may reuse the caches. With one repeat, variants marked ``isolated`` still run
-    in a process of their own (unless ``isolate`` is false), and with ``fresh`` every
-    variant does. The chapters time with ``repeats=problem().repeats``, as the benchmark
-    command does.
+    process; the first run measures its first call cold (the compilers' caches empty),
+    the later ones with the caches it left (``warm_first_call_s``). With one repeat,
+    variants marked ``isolated`` still run in a process of their own (unless
+    ``isolate`` is false), and with ``fresh`` every variant does. The chapters time
+    with ``repeats=problem().repeats``, as the benchmark command does.
 
     Returns:
         DataFrame indexed by variant (see :func:`~extkernels.timing.timings_frame`):
@@ -95,8 +109,9 @@ def run_all(
         if verbose:
             print(f"run  {v.name}", flush=True)
         if repeats > 1 or fresh or (v.isolated and isolate):
-            for r in range(repeats):
-                rows += _run_isolated(v.name, cold=r == 0)
+            with tempfile.TemporaryDirectory() as caches:  # a reader's first run, then
+                for r in range(repeats):  # the runs after it
+                    rows += _run_isolated(v.name, cold=r == 0, caches=caches)
         else:
             rows.append(V.run(v, prob))
     if not rows:

@@ -6,6 +6,7 @@ costs. The results page opens with it; chapter 12 derives it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -115,12 +116,11 @@ def _registered(backend: str, operation: str) -> str:
 
 
 def _cost(bench: pd.DataFrame, variant: str, backend: str) -> str:
-    first = bench.loc[variant, "first_call_s"] if variant in bench.index else None
-    when = (
-        ""
-        if first is None or first != first
-        else f"; first call of a new process {first:.1f} s"
-    )
+    row = bench.loc[variant] if variant in bench.index else pd.Series(dtype=float)
+    first, warm = (row.get(c, math.nan) for c in ("first_call_s", "warm_first_call_s"))
+    when = "" if first != first else f"; first call of a new process {first:.1f} s"
+    if when and warm == warm:  # the benchmark's later runs: the caches the first left
+        when += f" ({warm:.1f} s with the compilers' caches warm)"
     return f"{source_lines(backend):,} lines; {toolchain(backend)}{when}"
 
 

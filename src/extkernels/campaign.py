@@ -1,0 +1,354 @@
+"""The campaign command: every data file and chapter of the book from one machine in
+one pass, its GPUs used as parallel lanes (the results page's run card names the
+machine and the campaign's dates).
+
+    python -m extkernels.campaign plan               # the jobs, phase by phase
+    python -m extkernels.campaign run --out campaign # run them; run again to resume
+    python -m extkernels.campaign status --out campaign
+
+A job is one command of the book (the benchmark command for one variant, chapter 14's
+geometry command for one method, chapter 13's distributed command, ``pytest -m gpu`` on
+a share of the test files, the execution command for one chapter) and runs alone on its
+GPU (``CUDA_VISIBLE_DEVICES``), so that its timings see no neighbour; a job that needs
+every GPU (chapter 13) waits until the others are done and runs alone. Phases are
+barriers: measurements, then the multi-GPU runs, then the data files are written into
+``book/data`` from what the measurements wrote, then the chapters execute against them.
+Each variant is timed once: a file that shows a variant beside its own (chapter 14's
+clouds, chapter 15's shipping) gets the same runs as the main file.
+
+Every job's output goes to ``--out`` (``logs/``, ``parts/``) and its state to
+``status.json``; a job that ended well is not run again, so an interrupted campaign
+resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import benchmark
+from . import variants as V
+from .distributed import command
+from .experiments import geometry
+
+__all__ = ["Job", "plan", "run_jobs", "write_files", "main"]
+
+# NVLink multicast stays off in every process a campaign starts (shared hosts).
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+GEOMETRY_SIZES = "10000,100000,1000000"
+DISTRIBUTED_SIZES = "100000,1000000,2000000,4000000,10000000,20000000,40000000"
+MULTI_GPU_CHAPTERS = ("13_distributed",)
+# Variants that a file of another chapter shows beside its own (their runs are copied).
+BESIDE = {
+    "benchmark-clouds-h200.json": ["knn/fused+graphs", "radius/fused+graphs"],
+    "benchmark-shipping-h200.json": ["knn/fused+graphs", "knn/cpp+compile"],
+}
+
+
+@dataclass
+class Job:
+    """One command of the campaign.
+
+    Attributes:
+        name: unique, ``kind:detail`` (``bench:knn/torch``, ``chapter:results``).
+        argv: the command (run from the repository's root).
+        phase: jobs of a phase start only when every job of the earlier phases ended.
+        gpus: 1 (one lane) or -1 (every lane, alone).
+        produces: the file it writes, relative to ``--out`` (``None``: in place).
+    """
+
+    name: str
+    argv: list[str]
+    phase: int
+    gpus: int = 1
+    produces: str | None = None
+
+
+def _slug(name: str) -> str:
+    return name.replace("/", "__")
+
+
+def _py(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+def file_of(variant) -> str:
+    """The data file (in ``book/data``) that holds a benchmark variant's runs."""
+    return {14: "benchmark-clouds-h200.json", 15: "benchmark-shipping-h200.json"}.get(
+        variant.chapter, "benchmark-h200.json"
+    )
+
+
+def plan(
+    *,
+    book: Path = Path("book"),
+    repeats: int = 5,
+    test_shards: int = 4,
+    multi_gpu: bool = True,
+) -> list[Job]:
+    """Every job of a campaign on this machine, in the order they start: the geometry
+    command per method, its checks and traits, the variants that can run here (those
+    that build or compile first), ``pytest -m gpu`` in ``test_shards`` shares; then
+    chapter 13's distributed runs and chapter 13 (``multi_gpu``); then every other
+    chapter and the results page."""
+    jobs: list[Job] = []
+    chosen = [v for v in V.VARIANTS if v.available()]
+    chosen.sort(key=lambda v: -(2 * v.jit + v.package + v.compile + v.graphs))
+    for v in chosen:
+        part = f"parts/bench/{_slug(v.name)}.json"
+        argv = _py("extkernels.benchmark", "--variants", v.name)
+        jobs.append(
+            Job(
+                f"bench:{v.name}",
+                [*argv, "--repeats", str(repeats), "--json", part],
+                0,
+                produces=part,
+            )
+        )
+    g = _py("extkernels.experiments.geometry")
+    for m in [*geometry.METHODS, *geometry.LIBRARIES, *geometry.RADIUS]:
+        part = f"parts/geometry/{m}.json"
+        argv = [*g, "bench", "--methods", m, "--sizes", GEOMETRY_SIZES, "--out", part]
+        jobs.append(Job(f"geometry:{m}", argv, 0, produces=part))
+    part = "parts/geometry/checks.json"
+    jobs.append(Job("geometry:checks", [*g, "check", "--out", part], 0, produces=part))
+    part = "parts/geometry/traits.json"
+    traits = _py("extkernels.experiments.traits", "--out", part)
+    jobs.append(Job("geometry:traits", traits, 0, produces=part))
+    tests = sorted(str(p) for p in Path("tests").glob("test_*.py"))
+    for i in range(test_shards):
+        share = tests[i::test_shards]
+        argv = _py("pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *share)
+        jobs.append(Job(f"tests:{i + 1}of{test_shards}", argv, 0))
+    if multi_gpu:
+        for w in ("knn", "radius"):
+            part = f"parts/distributed/{w}.json"
+            argv = _py(
+                "extkernels.distributed", "bench", "--world", "4", "--worlds", "1,2,4"
+            )
+            argv += ["--workloads", w, "--sizes", DISTRIBUTED_SIZES, "--out", part]
+            jobs.append(Job(f"distributed:{w}", argv, 1, gpus=-1, produces=part))
+    pages = sorted(book.glob("[0-9][0-9]_*.ipynb")) + [book / "results.ipynb"]
+    for nb in pages:
+        if nb.stem in MULTI_GPU_CHAPTERS and not multi_gpu:
+            continue
+        multi = nb.stem in MULTI_GPU_CHAPTERS  # alone, before the others
+        argv = _py("extkernels.execute", str(nb))
+        jobs.append(
+            Job(f"chapter:{nb.stem}", argv, 2 if multi else 3, -1 if multi else 1)
+        )
+    first = ("geometry:", "bench:", "tests:")  # the longest first
+    return sorted(
+        jobs,
+        key=lambda j: (
+            j.phase,
+            [j.name.startswith(f) for f in first].index(True) if j.phase == 0 else 0,
+        ),
+    )
+
+
+def _load_status(out: Path) -> dict:
+    path = out / "status.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save_status(out: Path, status: dict) -> None:
+    tmp = out / "status.json.tmp"
+    tmp.write_text(json.dumps(status, indent=1))
+    tmp.replace(out / "status.json")
+
+
+def _cores(lanes: list[str], used: list[str]) -> list[int]:
+    """The host cores of the lanes ``used``: an equal share of this process's cores per
+    lane, so that neighbours on other GPUs do not take a timed job's host threads."""
+    mine = sorted(os.sched_getaffinity(0))
+    share = max(1, len(mine) // len(lanes))
+    picked = [
+        c
+        for i, lane in enumerate(lanes)
+        if lane in used
+        for c in mine[i * share : (i + 1) * share]
+    ]
+    return picked or mine
+
+
+def run_jobs(
+    jobs: list[Job],
+    lanes: list[str],
+    out: Path,
+    *,
+    timeout: float = 3600,
+    poll: float = 1.0,
+    between: callable | None = None,
+) -> dict:
+    """Run ``jobs`` on ``lanes`` (``CUDA_VISIBLE_DEVICES`` values; ``[""]`` on a machine
+    without a GPU), each lane one job at a time, phases as barriers; ``between(phase)``
+    runs when every job of earlier phases has ended and before ``phase`` starts. Jobs
+    already ``ok`` in ``out/status.json`` are skipped. Returns the status of every job:
+    ``state`` (``ok``, ``failed``, ``timeout``), ``lanes``, ``seconds``, ``rc``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    status = _load_status(out)
+    pending = [j for j in jobs if status.get(j.name, {}).get("state") != "ok"]
+    running: dict[str, tuple[Job, subprocess.Popen, float, list[str]]] = {}
+    started_phases: set[int] = set()
+    while pending or running:
+        for name, (_job, proc, t0, used) in list(running.items()):
+            rc = proc.poll()
+            if rc is None and time.time() - t0 > timeout:
+                proc.kill()
+                rc = proc.wait()
+                state = "timeout"
+            elif rc is None:
+                continue
+            else:
+                state = "ok" if rc == 0 else "failed"
+            seconds = round(time.time() - t0, 1)
+            status[name] = {"state": state, "rc": rc, "lanes": used, "seconds": seconds}
+            _save_status(out, status)
+            print(f"{state:8s} {name} ({seconds:.0f} s)", flush=True)
+            del running[name]
+        busy = {lane for *_, used in running.values() for lane in used}
+        lowest = min(
+            [j.phase for j in pending] + [j.phase for j, *_ in running.values()],
+            default=0,
+        )
+        for job in list(pending):
+            if job.phase > lowest:
+                break
+            if job.phase not in started_phases:  # every earlier phase has ended
+                started_phases.add(job.phase)
+                if between is not None:
+                    between(job.phase)
+            free = [lane for lane in lanes if lane not in busy]
+            if job.gpus == -1:
+                if busy:
+                    break  # waits for every lane, and holds back the jobs after it
+                used = list(lanes)
+            elif free:
+                used = [free[0]]
+            else:
+                break
+            env = {**os.environ, **SAFE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(used)}
+            cores = _cores(lanes, used)
+            env["OMP_NUM_THREADS"] = str(len(cores))
+            if job.produces:
+                (out / job.produces).parent.mkdir(parents=True, exist_ok=True)
+            log = open(out / "logs" / f"{_slug(job.name).replace(':', '-')}.log", "w")
+            argv = [str(out / a) if a == job.produces else a for a in job.argv]
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores),
+            )
+            log.close()
+            running[job.name] = (job, proc, time.time(), used)
+            status[job.name] = {"state": "running", "lanes": used}
+            _save_status(out, status)
+            print(f"start    {job.name} on {','.join(used) or 'cpu'}", flush=True)
+            busy.update(used)
+            pending.remove(job)
+        time.sleep(poll)
+    return status
+
+
+def write_files(out: Path, data: Path) -> list[str]:
+    """The book's data files (in ``data``) from the campaign's parts: the benchmark's
+    three files (each variant's runs in the file of its chapter, and copied where
+    :data:`BESIDE` shows it), the geometry file and the distributed file. A file is
+    written only from parts that exist. Returns the variants whose part is missing."""
+    parts = out / "parts"
+    found = {
+        v.name: parts / "bench" / f"{_slug(v.name)}.json"
+        for v in V.VARIANTS
+        if (parts / "bench" / f"{_slug(v.name)}.json").exists()
+    }
+    missing = [v.name for v in V.VARIANTS if v.available() and v.name not in found]
+    files: dict[str, list[Path]] = {}
+    for v in V.VARIANTS:
+        if v.name in found:
+            files.setdefault(file_of(v), []).append(found[v.name])
+    for name, extra in BESIDE.items():
+        if name in files:
+            files[name] += [found[n] for n in extra if n in found]
+    for name, paths in files.items():
+        meta, df = benchmark.merge([str(p) for p in paths])
+        benchmark._write(str(data / name), df, meta)
+    pieces = sorted((parts / "geometry").glob("*.json"))
+    if pieces:
+        target = data / "geometry-h200.json"
+        target.unlink(missing_ok=True)
+        for piece in pieces:
+            geometry.merge_into(str(target), json.loads(piece.read_text()))
+    pieces = sorted((parts / "distributed").glob("*.json"))
+    if pieces:
+        merged = command.merge([str(p) for p in pieces])
+        (data / "distributed-h200.json").write_text(json.dumps(merged, indent=1))
+    return missing
+
+
+def _lanes(gpus: str | None) -> list[str]:
+    if gpus is not None:
+        return gpus.split(",") if gpus else [""]
+    return [str(i) for i in range(torch.cuda.device_count())] or [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m extkernels.campaign", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("command", choices=["plan", "run", "status"])
+    ap.add_argument("--out", default="campaign", help="logs, parts and status.json")
+    ap.add_argument("--gpus", help="lanes, e.g. 0,1,2,3 (default: every visible GPU)")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="fresh processes per variant"
+    )
+    ap.add_argument("--only", help="comma-separated prefixes of the jobs to run")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per job")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.command == "status":
+        for name, s in _load_status(out).items():
+            print(f"{s['state']:8s} {s.get('seconds', ''):>8} {name}")
+        return 0
+    lanes = _lanes(args.gpus)
+    multi = len(lanes) >= 4
+    jobs = plan(repeats=args.repeats, multi_gpu=multi)
+    if args.only:
+        jobs = [j for j in jobs if j.name.startswith(tuple(args.only.split(",")))]
+    if args.command == "plan":
+        for job in jobs:
+            lanes_needed = "all" if job.gpus == -1 else "1"
+            print(f"{job.phase}  {lanes_needed:>3}  {job.name}")
+        if not multi:
+            print("(fewer than 4 GPUs: no distributed runs and no chapter 13)")
+        return 0
+
+    def between(phase: int) -> None:
+        if phase in (2, 3) and not (out / "files-written").exists():
+            missing = write_files(out, Path("book/data"))
+            (out / "files-written").write_text(json.dumps(missing))
+            print(f"wrote the data files; missing variants: {missing or 'none'}")
+
+    status = run_jobs(jobs, lanes, out, timeout=args.timeout, between=between)
+    bad = [n for n, s in status.items() if s["state"] != "ok"]
+    print(f"{len(status) - len(bad)} jobs ok, {len(bad)} not: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The campaign command's scheduler: lanes, phases as barriers, jobs that need every
+GPU, resuming, failures and timeouts (fake jobs that record where and when they ran),
+and its plan and data files."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from extkernels import campaign
+from extkernels.campaign import Job
+
+RECORD = (
+    "import json, os, sys, time; t0 = time.time(); time.sleep(float(sys.argv[2])); "
+    "json.dump({'lane': os.environ['CUDA_VISIBLE_DEVICES'], 'start': t0, "
+    "'end': time.time(), 'nvls': os.environ['NCCL_NVLS_ENABLE']}, "
+    "open(sys.argv[1], 'w'))"
+)
+
+
+def job(tmp_path: Path, name: str, phase: int = 0, gpus: int = 1, sleep=0.3) -> Job:
+    argv = [sys.executable, "-c", RECORD, str(tmp_path / f"{name}.json"), str(sleep)]
+    return Job(name, argv, phase, gpus)
+
+
+def ran(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_jobs_share_the_lanes_and_a_phase_waits_for_the_one_before(tmp_path):
+    jobs = [job(tmp_path, f"a{i}") for i in range(4)] + [job(tmp_path, "b", 1)]
+    status = campaign.run_jobs(jobs, ["0", "1"], tmp_path / "out", poll=0.05)
+    assert all(s["state"] == "ok" for s in status.values())
+    a = [ran(tmp_path, f"a{i}") for i in range(4)]
+    assert {r["lane"] for r in a} == {"0", "1"}
+    for lane in ("0", "1"):  # one job at a time on a lane
+        spans = sorted((r["start"], r["end"]) for r in a if r["lane"] == lane)
+        assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:], strict=False))
+    assert ran(tmp_path, "b")["start"] >= max(r["end"] for r in a)
+    assert {r["nvls"] for r in a} == {"0"}  # NVLink multicast off in every job
+
+
+def test_a_job_on_every_lane_runs_alone(tmp_path):
+    jobs = [job(tmp_path, "one"), job(tmp_path, "all", gpus=-1), job(tmp_path, "two")]
+    campaign.run_jobs(jobs, ["0", "1", "2"], tmp_path / "out", poll=0.05)
+    alone = ran(tmp_path, "all")
+    assert alone["lane"] == "0,1,2"
+    for other in ("one", "two"):
+        r = ran(tmp_path, other)
+        assert r["end"] <= alone["start"] or r["start"] >= alone["end"]
+
+
+def test_a_resumed_campaign_runs_only_what_did_not_end_well(tmp_path):
+    out = tmp_path / "out"
+    fails = Job("fails", [sys.executable, "-c", "raise SystemExit('no GPU here')"], 0)
+    first = campaign.run_jobs([job(tmp_path, "good"), fails], [""], out, poll=0.05)
+    assert first["fails"]["state"] == "failed" and first["fails"]["rc"] == 1
+    assert "no GPU here" in (out / "logs" / "fails.log").read_text()
+    (tmp_path / "good.json").unlink()
+    fixed = Job("fails", [sys.executable, "-c", "pass"], 0)
+    again = campaign.run_jobs([job(tmp_path, "good"), fixed], [""], out, poll=0.05)
+    assert not (tmp_path / "good.json").exists()  # not run again
+    assert again["fails"]["state"] == "ok"
+
+
+def test_a_job_past_its_time_is_stopped_and_said_so(tmp_path):
+    slow = job(tmp_path, "slow", sleep=30)
+    t0 = time.time()
+    status = campaign.run_jobs([slow], [""], tmp_path / "out", timeout=0.5, poll=0.05)
+    assert status["slow"]["state"] == "timeout"
+    assert time.time() - t0 < 10
+
+
+def test_the_data_files_are_written_before_the_next_phase(tmp_path):
+    seen = []
+    jobs = [job(tmp_path, "measure"), job(tmp_path, "chapter", 3)]
+
+    def between(phase):
+        seen.append((phase, (tmp_path / "measure.json").exists()))
+        assert not (tmp_path / "chapter.json").exists()
+
+    campaign.run_jobs(jobs, ["0"], tmp_path / "out", poll=0.05, between=between)
+    assert seen == [(0, False), (3, True)]
+
+
+def test_lanes_get_their_own_host_cores(tmp_path):
+    cores = [campaign._cores(["0", "1"], [lane]) for lane in ("0", "1")]
+    assert not set(cores[0]) & set(cores[1])
+    assert sorted(campaign._cores(["0", "1"], ["0", "1"])) == sorted(
+        cores[0] + cores[1]
+    )
+
+
+def test_the_plan_times_each_variant_once_and_executes_every_page():
+    jobs = campaign.plan(repeats=3)
+    names = [j.name for j in jobs]
+    assert len(names) == len(set(names))
+    from extkernels import variants as V
+
+    here = {v.name for v in V.VARIANTS if v.available()}
+    assert {n.removeprefix("bench:") for n in names if n.startswith("bench:")} == here
+    pages = {p.stem for p in Path("book").glob("*.ipynb")}
+    assert {
+        n.removeprefix("chapter:") for n in names if n.startswith("chapter:")
+    } == pages
+    phases = [j.phase for j in jobs]
+    assert phases == sorted(phases)
+    assert [j.name for j in jobs if j.gpus == -1] == [
+        "distributed:knn",
+        "distributed:radius",
+        "chapter:13_distributed",
+    ]
+    bench = next(j for j in jobs if j.name == "bench:knn/torch")
+    assert bench.argv[bench.argv.index("--repeats") + 1] == "3"
+
+
+def test_each_file_gets_its_variants_and_the_ones_shown_beside_them(tmp_path):
+    from extkernels import variants as V
+
+    parts = tmp_path / "parts" / "bench"
+    parts.mkdir(parents=True)
+    names = ["knn/torch", "knn/fused+graphs", "knn/fused+graphs@panda", "knn/cpp+aoti"]
+    for i, name in enumerate(names):
+        run = {"variant": name, "workload": "knn", "forward_ms": 1.0 + i}
+        run |= {"train_ms": 2.0, "peak_mb": 1.0, "hardware": "H", "first_call_s": 1.0}
+        meta = {"hardware": "H", "date": f"2026-01-0{i + 1}", "versions": {}}
+        data = {"meta": meta, "rows": [], "runs": [run]}
+        (parts / f"{campaign._slug(name)}.json").write_text(json.dumps(data))
+    data = tmp_path / "data"
+    data.mkdir()
+    missing = campaign.write_files(tmp_path, data)
+    held = {
+        f.name: sorted({r["variant"] for r in json.loads(f.read_text())["runs"]})
+        for f in data.glob("*.json")
+    }
+    assert held["benchmark-h200.json"] == ["knn/fused+graphs", "knn/torch"]
+    assert held["benchmark-clouds-h200.json"] == [
+        "knn/fused+graphs",
+        "knn/fused+graphs@panda",
+    ]
+    assert held["benchmark-shipping-h200.json"] == ["knn/cpp+aoti", "knn/fused+graphs"]
+    available = {v.name for v in V.VARIANTS if v.available()}
+    assert set(missing) == available - set(names)
+
+
+@pytest.mark.parametrize("name", ["knn/torch", "knn/fused+graphs@panda"])
+def test_a_variant_belongs_to_the_file_of_its_chapter(name):
+    from extkernels import variants as V
+
+    expected = "benchmark-clouds-h200.json" if "@" in name else "benchmark-h200.json"
+    assert campaign.file_of(V.get(name)) == expected
