@@ -345,7 +345,7 @@ def test_run_all_fresh_runs_every_variant_in_its_own_process(monkeypatch):
             "train_ms": 1.0,
         }
 
-    def fake_isolated(name, *, cold=True):
+    def fake_isolated(name, *, cold=True, caches=None):
         own_process.append(name)
         return [
             {
@@ -369,7 +369,7 @@ def test_run_all_fresh_runs_every_variant_in_its_own_process(monkeypatch):
 def test_run_all_repeats_every_variant_in_fresh_processes_cold_first(monkeypatch):
     calls = []
 
-    def fake_isolated(name, *, cold=True):
+    def fake_isolated(name, *, cold=True, caches=None):
         calls.append((name, cold))
         ms = 1.0 + sum(c[0] == name for c in calls)  # 2, 3, 4 ms for runs 1, 2, 3
         return [

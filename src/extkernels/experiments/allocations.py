@@ -106,8 +106,9 @@ def timing_numbers(
 
     Returns:
         the shared pool's forward milliseconds, the gains of both pools over none
-        (ratios of medians), the milliseconds a training step saves, and how sharing
-        compares with the RAPIDS-only pool (:func:`~extkernels.timing.verdict`).
+        (ratios of medians), the milliseconds a training step saves, and how the
+        shared pool compares with the RAPIDS-only pool and with none, by the ranges of
+        the runs (:func:`~extkernels.timing.verdict`).
     """
     n, r, s = table.loc[none], table.loc[rapids], table.loc[shared]
     return {
@@ -118,6 +119,8 @@ def timing_numbers(
         "saved_step_ms": float(n["train_ms"] - s["train_ms"]),
         "sharing_fwd": verdict(table, shared, rapids, "forward"),
         "sharing_train": verdict(table, shared, rapids, "train"),
+        "pool_fwd": verdict(table, shared, none, "forward"),
+        "pool_train": verdict(table, shared, none, "train"),
     }
 
 
