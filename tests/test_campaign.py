@@ -107,6 +107,8 @@ def test_the_plan_times_each_variant_once_and_executes_every_page():
     } == pages
     phases = [j.phase for j in jobs]
     assert phases == sorted(phases)
+    kinds = [n.split(":")[0] for n in names if not n.startswith(("chapter", "dist"))]
+    assert kinds == sorted(kinds, key=["geometry", "tests", "bench"].index)
     assert [j.name for j in jobs if j.gpus == -1] == [
         "distributed:knn",
         "distributed:radius",

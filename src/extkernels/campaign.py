@@ -99,8 +99,8 @@ def plan(
     multi_gpu: bool = True,
 ) -> list[Job]:
     """Every job of a campaign on this machine, in the order they start: the geometry
-    command per method, its checks and traits, the variants that can run here (those
-    that build or compile first), ``pytest -m gpu`` in ``test_shards`` shares; then
+    command per method, its checks and traits, ``pytest -m gpu`` in ``test_shards``
+    shares, the variants that can run here (those that build or compile first); then
     chapter 13's distributed runs and chapter 13 (``multi_gpu``); then every other
     chapter and the results page."""
     jobs: list[Job] = []
@@ -149,7 +149,7 @@ def plan(
         jobs.append(
             Job(f"chapter:{nb.stem}", argv, 2 if multi else 3, -1 if multi else 1)
         )
-    first = ("geometry:", "bench:", "tests:")  # the longest first
+    first = ("geometry:", "tests:", "bench:")  # the longest first
     return sorted(
         jobs,
         key=lambda j: (

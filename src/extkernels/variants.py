@@ -249,6 +249,8 @@ VARIANTS: list[Variant] = [
     Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
     _compiled("radius/warp+compile+1thread", "warp", 7, backward_thread=False),
     Variant("radius/warp+graphs", "radius", "warp", chapter=7, graphs=True),
+    # Everything but the aggregation, its backward on the calling thread (chapter 7)
+    Variant("radius/floor+1thread", "radius", FLOOR, chapter=7, backward_thread=False),
     Variant("radius/fused", "radius", "fused", chapter=11),
     _compiled("radius/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
     Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
