@@ -112,6 +112,52 @@ def test_glued_values_are_plain_python(path):
     assert not bad, f"{path.name}: glue a float() or int(), not a NumPy scalar: {bad}"
 
 
+#: Calls that read the book's committed data files (the benchmark's, chapter 14's
+#: geometry and traits, chapter 13's distributed runs).
+DATA_READERS = re.compile(
+    r"\b(results\.(recorded|load)|geometry\.load|report\.load|traits\.load)\("
+)
+
+
+def _reads_data(cell) -> bool:
+    return (
+        cell.cell_type == "code"
+        and DATA_READERS.search(cell.source) is not None
+        # The guide also counts the backends' source lines: a change of code, not of
+        # data, changes it.
+        and "guide.guide(" not in cell.source
+        # nbval shows a figure returned by a cell twice: compared by no test.
+        and "plotting." not in cell.source
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_what_a_page_reads_from_the_data_files_is_compared_under_nbval(path):
+    """A cell that reads a committed data file shows the same output on any machine:
+    CI re-executes it on the CPU and compares it with the stored one
+    (``nbval-check-output``), so a page that quotes a file it was not executed against
+    fails."""
+    nb = nbformat.read(path, as_version=4)
+    unchecked = [
+        i
+        for i, cell in enumerate(nb.cells)
+        if _reads_data(cell)
+        and "nbval-check-output" not in cell.metadata.get("tags", [])
+    ]
+    assert not unchecked, (
+        f"{path.name}: cells {unchecked} read a data file: tag them nbval-check-output"
+    )
+
+
+def test_the_data_rule_sees_the_pages_that_read_files():
+    reading = {
+        p.stem for p in NOTEBOOKS for c in nbformat.read(p, 4).cells if _reads_data(c)
+    }
+    assert {"01_eager_baseline", "13_distributed", "14_real_clouds", "results"} <= (
+        reading
+    )
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executed_in_order(path):
     nb = nbformat.read(path, as_version=4)

@@ -471,22 +471,6 @@ def test_summary_is_narrow_and_says_median_and_range():
     assert out.loc["v", "training ms"] == "4.000 (2.000–8.000)"
 
 
-def test_summary_keeps_two_digits_of_a_first_call_under_a_second():
-    rows = [
-        {
-            "variant": v,
-            "forward_ms": 1.0,
-            "train_ms": 2.0,
-            "peak_mb": 1.0,
-            "hardware": "CPU",
-            "first_call_s": s,
-        }
-        for v, s in (("load", 0.0071), ("wheel", 0.364), ("build", 116.71))
-    ]
-    out = timing.summary(timing.timings_frame(rows))["first call s"]
-    assert out.to_dict() == {"load": "0.0071", "wheel": "0.36", "build": "116.7"}
-
-
 def _benchmark_file(path, hardware, runs, versions=None):
     runs = [
         {"variant": v, "workload": v.split("/")[0], "forward_ms": f, "train_ms": 2 * f}

@@ -226,11 +226,7 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
         "n/a" if v != v else f"{v:.0f}" for v in df["peak_mb"].to_numpy()
     ]
     if "first_call_s" in df and df["first_call_s"].notna().any():
-        # two significant digits below a second: a package loads in milliseconds
-        out["first call s"] = [
-            "–" if s != s else f"{s:.1f}" if s >= 1 else f"{s:.2g}"
-            for s in df["first_call_s"].to_numpy()
-        ]
+        out["first call s"] = df["first_call_s"].round(1)
     return out.rename_axis("variant")
 
 
