@@ -432,6 +432,31 @@ def test_the_benchmark_quotes_say_which_targets_are_met_and_what_compiling_gains
     assert "radius_compile_in_graph_train" not in quotes
 
 
+def test_a_target_is_met_only_when_every_run_meets_it():
+    from extkernels.experiments import whole_step_report as report
+
+    names = ["all", "none", "both-sides"]
+    bench = pd.DataFrame(
+        {
+            "forward_ms": [0.19, 0.22, 0.20],
+            "forward_min": [0.18, 0.21, 0.19],
+            "forward_max": [0.195, 0.23, 0.21],
+            "train_ms": [0.45, 0.49, 0.55],
+            "train_min": [0.44, 0.48, 0.54],
+            "train_max": [0.46, 0.50, 0.56],
+        },
+        index=names,
+    )
+    quotes = report.benchmark_quotes(bench, dict.fromkeys(names, (0.20, 0.50)))
+    assert quotes["all_outcome"] == "meets both targets"
+    assert quotes["none_outcome"] == (
+        "meets the training target and misses the forward one"
+    )
+    assert quotes["both_sides_outcome"] == (
+        "has runs on both sides of the forward target and misses the training one"
+    )
+
+
 def test_the_lanes_and_radius_quotes_read_the_right_rows():
     from extkernels.experiments import whole_step_report as report
 

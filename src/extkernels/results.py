@@ -239,9 +239,10 @@ def against_book_cloud(ratio: pd.Series) -> str:
 # ---- chapter 14's geometry command (extkernels.experiments.geometry) -------------
 
 
-def at_size(times: pd.DataFrame, n: int, methods) -> pd.DataFrame:
-    """Median milliseconds at ``n`` points: a row per cloud, a column per method."""
-    part = times.xs(n, level="n")["ms"].unstack("method")
+def at_size(times: pd.DataFrame, n: int, methods, column: str = "ms") -> pd.DataFrame:
+    """Milliseconds at ``n`` points, a row per cloud, a column per method: the median
+    (``column="ms"``), the fastest run (``"min"``) or the slowest (``"max"``)."""
+    part = times.xs(n, level="n")[column].unstack("method")
     return part[[m for m in methods if m in part]].reindex(list(clouds.GEOMETRIES))
 
 
@@ -250,7 +251,7 @@ def targets(
 ) -> pd.DataFrame:
     """Per cloud: ``method`` at 10^5 and 10^6 points, its speedup over ``rival`` at
     10^6 (medians of the same runs), and whether each stays within the goal of
-    chapter 14 (0.5 ms, 2 ms, 10x)."""
+    chapter 14 (0.5 ms, 2 ms, 10x) in every run."""
     small, large = (
         at_size(times, 100_000, [method, rival]),
         at_size(times, 1_000_000, [method, rival]),
@@ -262,9 +263,13 @@ def targets(
             f"x {rival} at 10⁶": large[rival] / large[method],
         }
     )
-    out["≤ 0.5 ms"] = out["ms at 10⁵"] <= 0.5
-    out["≤ 2 ms"] = out["ms at 10⁶"] <= 2.0
-    out["≥ 10×"] = out[f"x {rival} at 10⁶"] >= 10
+    # a goal holds when every run holds it: the slowest run of ``method`` within the
+    # time, and its slowest against the rival's fastest for the ratio
+    slow = {n: at_size(times, n, [method], "max")[method] for n in (100_000, 1_000_000)}
+    fast_rival = at_size(times, 1_000_000, [rival], "min")[rival]
+    out["≤ 0.5 ms"] = slow[100_000] <= 0.5
+    out["≤ 2 ms"] = slow[1_000_000] <= 2.0
+    out["≥ 10×"] = fast_rival / slow[1_000_000] >= 10
     return out.round(3)
 
 
@@ -276,8 +281,10 @@ def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
     out = ms.copy()
     for method in ms.columns:
         out[f"{method} / normal"] = ms[method] / ms.loc["normal", method]
-    if "fused-radius" in ms:
-        out["≤ 2× normal"] = out["fused-radius / normal"] <= 2.0
+    if "fused-radius" in ms:  # in every run: its slowest against the fastest on normal
+        slow = at_size(times, n, ["fused-radius"], "max")["fused-radius"]
+        fast = at_size(times, n, ["fused-radius"], "min").loc["normal", "fused-radius"]
+        out["≤ 2× normal"] = slow / fast <= 2.0
     return out.round(3)
 
 

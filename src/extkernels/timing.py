@@ -270,7 +270,8 @@ def against_goals(
     reference: str | None = None,
 ) -> pd.DataFrame:
     """Variants beside their goals: median forward and training ms, each goal, whether
-    both are met, and the speedups of the medians over ``reference`` where given.
+    both are met in every run (the slowest within each goal), and the speedups of the
+    medians over ``reference`` where given.
 
     Args:
         df: from :func:`timings_frame`.
@@ -291,8 +292,15 @@ def against_goals(
             rows[name]["× ref forward"] = ref["forward_ms"] / row["forward_ms"]
             rows[name]["× ref training"] = ref["train_ms"] / row["train_ms"]
     out = pd.DataFrame(rows).T
-    out["met"] = (out["forward ms"] <= out["forward goal"]) & (
-        out["training ms"] <= out["training goal"]
+    # met in every run: the slowest run within each goal (the median, without a range)
+    slowest = {
+        metric: df.loc[list(goals)].get(
+            f"{metric}_max", df.loc[list(goals), f"{metric}_ms"]
+        )
+        for metric in ("forward", "train")
+    }
+    out["met"] = (slowest["forward"] <= out["forward goal"]) & (
+        slowest["train"] <= out["training goal"]
     )
     return out
 
