@@ -30,12 +30,15 @@ from .notebook import versions
 from .problem import problem
 from .timing import timings_frame
 
-__all__ = ["run_all", "main"]
+__all__ = ["run_all", "merge", "write", "main"]
 
 
 # The compilers' on-disk caches: Inductor's, Triton's and Warp's kernels.
-CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
-CACHES["WARP_CACHE_PATH"] = "warp"
+CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "WARP_CACHE_PATH": "warp",
+}
 
 
 def _run_isolated(
@@ -135,7 +138,7 @@ def frame(rows: list[dict]) -> pd.DataFrame:
     return df
 
 
-def _write(path: str, df: pd.DataFrame, meta: dict) -> None:
+def write(path: str, df: pd.DataFrame, meta: dict) -> None:
     with open(path, "w") as f:
         # NaN (no memory statistics on a CPU) becomes null: strict JSON readers reject
         # NaN.
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.merge:
         meta, df = merge(args.merge)
-        _write(args.json, df, meta)
+        write(args.json, df, meta)
         return 0
     names = args.variants.split(",") if args.variants else None
     if args.rows_only:  # child process of an isolated variant
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             "n_query": prob.n_query,
         },
     }
-    _write(args.json, df, meta)
+    write(args.json, df, meta)
     return 0
 
 

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,11 @@ def _slug(name: str) -> str:
     return name.replace("/", "__")
 
 
+def _bench_part(name: str) -> str:
+    """Where a variant's benchmark job writes, relative to ``--out``."""
+    return f"parts/bench/{_slug(name)}.json"
+
+
 def _py(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
 
@@ -107,7 +113,7 @@ def plan(
     chosen = [v for v in V.VARIANTS if v.available()]
     chosen.sort(key=lambda v: -(2 * v.jit + v.package + v.compile + v.graphs))
     for v in chosen:
-        part = f"parts/bench/{_slug(v.name)}.json"
+        part = _bench_part(v.name)
         argv = _py("extkernels.benchmark", "--variants", v.name)
         jobs.append(
             Job(
@@ -191,7 +197,7 @@ def run_jobs(
     *,
     timeout: float = 3600,
     poll: float = 1.0,
-    between: callable | None = None,
+    between: Callable[[int], None] | None = None,
 ) -> dict:
     """Run ``jobs`` on ``lanes`` (``CUDA_VISIBLE_DEVICES`` values; ``[""]`` on a machine
     without a GPU), each lane one job at a time, phases as barriers; ``between(phase)``
@@ -273,9 +279,9 @@ def write_files(out: Path, data: Path) -> list[str]:
     written only from parts that exist. Returns the variants whose part is missing."""
     parts = out / "parts"
     found = {
-        v.name: parts / "bench" / f"{_slug(v.name)}.json"
+        v.name: out / _bench_part(v.name)
         for v in V.VARIANTS
-        if (parts / "bench" / f"{_slug(v.name)}.json").exists()
+        if (out / _bench_part(v.name)).exists()
     }
     missing = [v.name for v in V.VARIANTS if v.available() and v.name not in found]
     files: dict[str, list[Path]] = {}
@@ -287,7 +293,7 @@ def write_files(out: Path, data: Path) -> list[str]:
             files[name] += [found[n] for n in extra if n in found]
     for name, paths in files.items():
         meta, df = benchmark.merge([str(p) for p in paths])
-        benchmark._write(str(data / name), df, meta)
+        benchmark.write(str(data / name), df, meta)
     pieces = sorted((parts / "geometry").glob("*.json"))
     if pieces:
         target = data / "geometry-h200.json"

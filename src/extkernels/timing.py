@@ -264,6 +264,16 @@ def ranked(a: tuple[float, float], b: tuple[float, float], *, same: str) -> str:
     return same
 
 
+def within_goal(row: pd.Series, metric: str, goal: float) -> bool | None:
+    """Whether every run of a variant (a row of :func:`timings_frame`) stayed within
+    ``goal`` ms in ``metric`` (``forward`` or ``train``): ``True`` when its slowest run
+    did, ``False`` when its fastest did not, ``None`` when its runs lie on both sides.
+    Without the runs' range, the median decides."""
+    low = row.get(f"{metric}_min", row[f"{metric}_ms"])
+    high = row.get(f"{metric}_max", row[f"{metric}_ms"])
+    return True if high <= goal else False if low > goal else None
+
+
 def against_goals(
     df: pd.DataFrame,
     goals: dict[str, tuple[float, float]],
@@ -292,16 +302,11 @@ def against_goals(
             rows[name]["× ref forward"] = ref["forward_ms"] / row["forward_ms"]
             rows[name]["× ref training"] = ref["train_ms"] / row["train_ms"]
     out = pd.DataFrame(rows).T
-    # met in every run: the slowest run within each goal (the median, without a range)
-    slowest = {
-        metric: df.loc[list(goals)].get(
-            f"{metric}_max", df.loc[list(goals), f"{metric}_ms"]
-        )
-        for metric in ("forward", "train")
-    }
-    out["met"] = (slowest["forward"] <= out["forward goal"]) & (
-        slowest["train"] <= out["training goal"]
-    )
+    out["met"] = [
+        within_goal(df.loc[name], "forward", fwd) is True
+        and within_goal(df.loc[name], "train", train) is True
+        for name, (fwd, train) in goals.items()
+    ]
     return out
 
 

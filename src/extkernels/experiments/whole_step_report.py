@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..timing import ranked, verdict
+from ..timing import ranked, verdict, within_goal
 
 __all__ = [
     "BENCHMARK_ROWS",
@@ -73,22 +73,13 @@ def benchmark_quotes(bench: pd.DataFrame, goals: dict) -> dict[str, float]:
         if name in bench.index:
             row = bench.loc[name]
             out[f"{_key(name)}_outcome"] = _outcome(
-                _met(row, "forward", fwd), _met(row, "train", train)
+                within_goal(row, "forward", fwd), within_goal(row, "train", train)
             )
     for workload in ("knn", "radius"):
         pair = [f"{workload}/fused+compile+graphs", f"{workload}/fused+graphs"]
         if all(n in bench.index for n in pair) and "train_min" in bench:
             out[f"{workload}_compile_in_graph_train"] = verdict(bench, *pair, "train")
     return out
-
-
-def _met(row: pd.Series, metric: str, goal: float) -> bool | None:
-    """Whether every run of a variant met ``goal`` (its slowest within it), none did
-    (its fastest above it), or ``None``: runs on both sides. Without the runs' range,
-    the median decides."""
-    low = row.get(f"{metric}_min", row[f"{metric}_ms"])
-    high = row.get(f"{metric}_max", row[f"{metric}_ms"])
-    return True if high <= goal else False if low > goal else None
 
 
 def _outcome(forward: bool | None, train: bool | None) -> str:
