@@ -153,3 +153,9 @@ def test_a_variant_belongs_to_the_file_of_its_chapter(name):
 
     expected = "benchmark-clouds-h200.json" if "@" in name else "benchmark-h200.json"
     assert campaign.file_of(V.get(name)) == expected
+
+
+def test_the_longest_page_starts_first_and_the_others_keep_their_order():
+    pages = [j.name for j in campaign.plan() if j.phase == 3]
+    assert pages[0] == "chapter:15_shipping"
+    assert pages[1:] == sorted(pages[1:], key=lambda n: (n == "chapter:results", n))
