@@ -102,18 +102,24 @@ def test_the_plan_times_each_variant_once_and_executes_every_page():
     here = {v.name for v in V.VARIANTS if v.available()}
     assert {n.removeprefix("bench:") for n in names if n.startswith("bench:")} == here
     pages = {p.stem for p in Path("book").glob("*.ipynb")}
-    assert {
-        n.removeprefix("chapter:") for n in names if n.startswith("chapter:")
-    } == pages
+    for kind in ("chapter", "nbval"):
+        assert {
+            n.removeprefix(f"{kind}:") for n in names if n.startswith(kind)
+        } == pages
     phases = [j.phase for j in jobs]
     assert phases == sorted(phases)
-    kinds = [n.split(":")[0] for n in names if not n.startswith(("chapter", "dist"))]
+    kinds = [
+        n.split(":")[0] for n in names if not n.startswith(("chapter", "dist", "nbval"))
+    ]
     assert kinds == sorted(kinds, key=["geometry", "tests", "bench"].index)
     assert [j.name for j in jobs if j.gpus == -1] == [
         "distributed:knn",
         "distributed:radius",
         "chapter:13_distributed",
+        "nbval:13_distributed",
     ]
+    last = max(j.phase for j in jobs if j.name.startswith("chapter:"))
+    assert all(j.phase > last for j in jobs if j.name.startswith("nbval:"))
     bench = next(j for j in jobs if j.name == "bench:knn/torch")
     assert bench.argv[bench.argv.index("--repeats") + 1] == "3"
 

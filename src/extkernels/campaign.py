@@ -12,7 +12,8 @@ a share of the test files, the execution command for one chapter) and runs alone
 GPU (``CUDA_VISIBLE_DEVICES``), so that its timings see no neighbour; a job that needs
 every GPU (chapter 13) waits until the others are done and runs alone. Phases are
 barriers: measurements, then the multi-GPU runs, then the data files are written into
-``book/data`` from what the measurements wrote, then the chapters execute against them.
+``book/data`` from what the measurements wrote, then the chapters execute against them,
+then nbval checks each page against what it now stores.
 Each variant is timed once: a file that shows a variant beside its own (chapter 14's
 clouds, chapter 15's shipping) gets the same runs as the main file.
 
@@ -110,7 +111,8 @@ def plan(
     command per method, its checks and traits, ``pytest -m gpu`` in ``test_shards``
     shares, the variants that can run here (those that build or compile first); then
     chapter 13's distributed runs and chapter 13 (``multi_gpu``); then every other
-    chapter and the results page."""
+    chapter and the results page; then nbval of every page (``pytest``, which compares
+    the cells tagged ``nbval-check-output``) against what it stores."""
     jobs: list[Job] = []
     chosen = [v for v in V.VARIANTS if v.available()]
     chosen.sort(key=lambda v: -(2 * v.jit + v.package + v.compile + v.graphs))
@@ -157,6 +159,11 @@ def plan(
         argv = _py("extkernels.execute", str(nb))
         jobs.append(
             Job(f"chapter:{nb.stem}", argv, 2 if multi else 3, -1 if multi else 1)
+        )
+        # then nbval on this machine, against the outputs the page now stores
+        argv = _py("pytest", "-q", "-p", "no:cacheprovider", str(nb))
+        jobs.append(
+            Job(f"nbval:{nb.stem}", argv, 4 if multi else 5, -1 if multi else 1)
         )
     first = ("geometry:", "tests:", "bench:")  # the longest first
     return sorted(
