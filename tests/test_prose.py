@@ -197,3 +197,25 @@ def test_prose_says_what_is_so_now(path):
     if path.stem == "design_notes":
         stale = [s for s in stale if s not in ("tried and lost",)]
     assert not stale, f"{path.name}: lab-notebook phrasing {stale}"
+
+
+#: A number as a measurement reads: three decimals (0.282 ms) or a decimal ratio (2.2×).
+TYPED_MEASUREMENT = re.compile(r"(?<![\w.`$])(\d+\.\d{3}\b|\d+\.\d+\s?×)")
+
+
+def typed_measurements(text: str) -> list[str]:
+    """Numbers in ``text`` that read as measurements, outside glue roles: a figure the
+    prose quotes must come from the data files through glue, where nbval compares it."""
+    text = re.sub(r"\{glue[^}]*\}`[^`]*`|\$[^$]*\$", "", prose(text))  # glue, math
+    return TYPED_MEASUREMENT.findall(text)
+
+
+def test_the_typed_measurement_rule_sees_one():
+    assert typed_measurements("took 0.282 ms, 2.2× faster") == ["0.282", "2.2×"]
+    assert typed_measurements("{glue:text}`x:.3f` ms, 0.28 ms goal, 8×, $0.002$") == []
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
+def test_prose_types_no_measurement(path):
+    typed = [t for m in markdown(path) for t in typed_measurements(m)]
+    assert not typed, f"{path.name}: typed figures {typed}; glue them from the data"
