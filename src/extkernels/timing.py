@@ -247,10 +247,10 @@ def against_goal(df: pd.DataFrame, name: str, metric: str, goal: float) -> str:
     lie against a goal in ms, for prose: its median, then "within" or "above" the goal
     "in every run", or "within … in some runs only" when the runs straddle it."""
     median = df.loc[name, f"{metric}_ms"]
-    lo, hi = df.loc[name, f"{metric}_min"], df.loc[name, f"{metric}_max"]
-    if lo <= goal < hi:
+    met = within_goal(df.loc[name], metric, goal)
+    if met is None:
         return f"{median:.3f} ms, within the {goal:.2f} ms goal in some runs only"
-    where = "above" if lo > goal else "within"
+    where = "within" if met else "above"
     return f"{median:.3f} ms, {where} the {goal:.2f} ms goal in every run"
 
 
