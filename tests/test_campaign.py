@@ -165,3 +165,21 @@ def test_the_longest_page_starts_first_and_the_others_keep_their_order():
     pages = [j.name for j in campaign.plan() if j.phase == 3]
     assert pages[0] == "chapter:15_shipping"
     assert pages[1:] == sorted(pages[1:], key=lambda n: (n == "chapter:results", n))
+
+
+def test_only_takes_prefixes_and_whole_names():
+    jobs = [
+        Job(n, ["true"], 0)
+        for n in (
+            "bench:radius/warp",
+            "bench:radius/warp+1thread",
+            "bench:radius/warp+compile+1thread",
+            "chapter:01_a",
+            "chapter:10_b",
+            "nbval:01_a",
+        )
+    ]
+    picked = campaign.select(jobs, "bench:radius/warp$,chapter:0")
+    assert [j.name for j in picked] == ["bench:radius/warp", "chapter:01_a"]
+    assert len(campaign.select(jobs, "bench:radius/warp")) == 3
+    assert campaign.select(jobs, "nbval:01_a$,chapter:") == jobs[3:]

@@ -41,7 +41,7 @@ from . import variants as V
 from .distributed import command
 from .experiments import geometry
 
-__all__ = ["Job", "plan", "run_jobs", "write_files", "main"]
+__all__ = ["Job", "plan", "select", "run_jobs", "write_files", "main"]
 
 # NVLink multicast stays off in every process a campaign starts (shared hosts).
 SAFE_ENV = {
@@ -173,6 +173,16 @@ def plan(
             [j.name.startswith(f) for f in first].index(True) if j.phase == 0 else 0,
         ),
     )
+
+
+def select(jobs: list[Job], only: str) -> list[Job]:
+    """The jobs named by ``only``: comma-separated prefixes (``bench:,chapter:01``),
+    or whole names where one ends in ``$`` (``bench:radius/warp$`` is that variant
+    alone, not ``radius/warp+compile+1thread``)."""
+    names = only.split(",")
+    exact = {n[:-1] for n in names if n.endswith("$")}
+    prefixes = tuple(n for n in names if n and not n.endswith("$"))
+    return [j for j in jobs if j.name in exact or j.name.startswith(prefixes)]
 
 
 def _load_status(out: Path) -> dict:
@@ -333,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=5, help="fresh processes per variant"
     )
-    ap.add_argument("--only", help="comma-separated prefixes of the jobs to run")
+    ap.add_argument(
+        "--only",
+        help="comma-separated prefixes of the jobs to run ('name$': that job alone)",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -345,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     multi = len(lanes) >= 4
     jobs = plan(repeats=args.repeats, multi_gpu=multi)
     if args.only:
-        jobs = [j for j in jobs if j.name.startswith(tuple(args.only.split(",")))]
+        jobs = select(jobs, args.only)
     if args.command == "plan":
         for job in jobs:
             lanes_needed = "all" if job.gpus == -1 else "1"
