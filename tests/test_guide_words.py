@@ -123,6 +123,26 @@ def test_at_least_claims_round_down_and_at_most_claims_round_up(table):
     assert results.at_most(1.32, 2) == "1.32"
 
 
+def test_worst_cases_round_up_and_ranges_enclose_the_runs(table):
+    words, times = table[0]["on real geometry"], table[1]
+    at_1e6 = results.at_size(times, 1_000_000, ["fused-grid", "triton", "cuml"])
+    for situation, method in (
+        ("kNN on clouds known to be blobs", "fused-grid"),
+        ("kNN without a C++ toolchain", "triton"),
+    ):
+        quoted = re.search(r"up to ([\d,]+) ms", words[situation]).group(1)
+        assert float(quoted.replace(",", "")) >= at_1e6[method].max(), situation
+    lo, hi = re.search(r"(\d+) to (\d+) ms", words[_CUML]).groups()
+    assert float(lo) <= at_1e6["cuml"].min() and float(hi) >= at_1e6["cuml"].max()
+    warp = results.radius_targets(times)["warp-radius / normal"].drop("normal").max()
+    quoted = re.search(r"up to ([\d.]+)×", words[_WARP]).group(1)
+    assert float(quoted) >= warp
+
+
+_CUML = "A kNN library you already use (cuML)"
+_WARP = "Radius neighbourhoods, Warp already in your stack"
+
+
 def test_no_cell_of_the_guide_names_the_books_cloud_as_its_own_worst(table):
     cells = [str(v) for v in table[0].to_numpy().ravel()]
     assert not [c for c in cells if "(normal)" in c]

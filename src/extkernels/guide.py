@@ -132,7 +132,8 @@ def _train(bench: pd.DataFrame, variant: str) -> str:
 
 def _worst(times: pd.DataFrame, method: str, n: int = 1_000_000) -> str:
     ms = results.at_size(times, n, [method])[method]
-    return f"up to {ms.max():,.0f} ms per search at 10⁶ points ({ms.idxmax()})"
+    most = f"{float(results.at_most(ms.max())):,.0f}"  # a worst case rounds up
+    return f"up to {most} ms per search at 10⁶ points ({ms.idxmax()})"
 
 
 def guide(
@@ -152,7 +153,7 @@ def guide(
     fused_x, warp_x = radius["fused-radius / normal"], radius["warp-radius / normal"]
     cuml = results.at_size(times, 1_000_000, ["cuml"])["cuml"]
     search = CUML_SEARCHES[CUML_ALGORITHM]
-    cuml_ms = f"{cuml.min():.0f} to {cuml.max():.0f} ms"
+    cuml_ms = f"{results.at_least(cuml.min())} to {results.at_most(cuml.max())} ms"
     most_ms = results.at_most(tree["ms at 10⁶"].max(), 2)
     least_x = results.at_least(tree["x cuml at 10⁶"].min())
     rows = [
@@ -206,7 +207,8 @@ def guide(
             "Warp's hash grid as a custom operator "
             f"{_registered('warp', 'radius_aggregate')} (chapters 5 to 7)",
             _train(bench, "radius/warp+graphs"),
-            f"up to {warp_x.drop('normal').max():.1f}× its time on the book's cloud "
+            f"up to {results.at_most(warp_x.drop('normal').max(), 1)}× its time on the "
+            "book's cloud "
             f"({warp_x.drop('normal').idxmax()})",
             _cost(bench, "radius/warp+graphs", "warp"),
         ),
