@@ -189,3 +189,20 @@ def test_a_method_against_the_books_cloud_names_its_slowest_other_cloud(
     assert text.startswith(expected), text
     assert "normal" not in text
     assert ("panda" in text) == (max(ratios.values()) > 1.0)
+
+
+def test_the_fused_rows_quote_the_just_in_time_build_from_the_shipping_file():
+    _, bench = results.load(DATA / "benchmark-h200.json")
+    _, clouds = results.load(DATA / "benchmark-clouds-h200.json")
+    _, times, _ = geometry.load(DATA / "geometry-h200.json")
+    _, shipping = results.load(DATA / "benchmark-shipping-h200.json")
+    jit = shipping.loc[guide.JIT_VARIANTS["fused"], "first_call_s"]
+    costs = guide.guide(bench, clouds, times, shipping)["cost"]
+    fused = [s for s, (backend, _) in guide.ROWS.items() if backend == "fused"]
+    for situation in fused:
+        assert f"without the prebuilt wheel, {jit:.1f} s" in costs[situation]
+    others = costs.drop(fused)
+    assert not others.str.contains("prebuilt wheel").any()
+    # without the shipping file the guide says nothing of a build it did not read
+    plain = guide.guide(bench, clouds, times)["cost"]
+    assert not plain.str.contains("prebuilt wheel").any()

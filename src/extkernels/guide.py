@@ -19,6 +19,7 @@ __all__ = [
     "AUTOGRAD",
     "CUML_SEARCHES",
     "GLOSSARY",
+    "JIT_VARIANTS",
     "ROWS",
     "guide",
     "source_lines",
@@ -115,12 +116,38 @@ def _registered(backend: str, operation: str) -> str:
     return "with a fake and no gradient formula, which the neighbours do not need"
 
 
-def _cost(bench: pd.DataFrame, variant: str, backend: str) -> str:
-    row = bench.loc[variant] if variant in bench.index else pd.Series(dtype=float)
-    first, warm = (row.get(c, math.nan) for c in ("first_call_s", "warm_first_call_s"))
+#: The variant whose first call builds a backend's libraries just in time into an empty
+#: extension cache (chapter 15's shipping file), for the backends the guide names.
+JIT_VARIANTS = {"fused": "knn/fused+graphs+jit"}
+
+
+def _first_calls(table: pd.DataFrame | None, variant: str | None) -> tuple:
+    """A variant's first call in a fresh process: its first run's (empty caches) and
+    its later runs' (the caches the first left), NaN where not measured."""
+    if table is None or variant not in table.index:
+        return math.nan, math.nan
+    row = table.loc[variant]
+    return tuple(row.get(c, math.nan) for c in ("first_call_s", "warm_first_call_s"))
+
+
+def _cost(
+    bench: pd.DataFrame,
+    variant: str,
+    backend: str,
+    shipping: pd.DataFrame | None = None,
+) -> str:
+    first, warm = _first_calls(bench, variant)
     when = "" if first != first else f"; first call of a new process {first:.1f} s"
     if when and warm == warm:  # the benchmark's later runs: the caches the first left
         when += f" ({warm:.1f} s with the compilers' caches warm)"
+    jit, jit_warm = _first_calls(shipping, JIT_VARIANTS.get(backend))
+    if jit == jit:
+        when += (
+            f"; without the prebuilt wheel, {jit:.1f} s to build just in time into an "
+            "empty extension cache"
+        )
+        if jit_warm == jit_warm:
+            when += f" ({jit_warm:.1f} s from a warm one)"
     return f"{source_lines(backend):,} lines; {toolchain(backend)}{when}"
 
 
@@ -137,12 +164,17 @@ def _worst(times: pd.DataFrame, method: str, n: int = 1_000_000) -> str:
 
 
 def guide(
-    bench: pd.DataFrame, clouds: pd.DataFrame, times: pd.DataFrame
+    bench: pd.DataFrame,
+    clouds: pd.DataFrame,
+    times: pd.DataFrame,
+    shipping: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """The advice, one row per situation: what to use, its training step on the
     book's cloud (``bench``, the benchmark command's table), how it fares on real
     geometry (``times``, the geometry command's table; ``clouds``, the benchmark's
-    variants on other clouds) and what it costs to adopt."""
+    variants on other clouds) and what it costs to adopt, first calls included: each
+    variant's own, and where ``shipping`` (chapter 15's file) is given, the libraries
+    built just in time instead of loaded from the prebuilt wheel."""
     tree = results.targets(times)
     train = clouds["train_ms"]
     mesh_ratio = max(
@@ -171,14 +203,14 @@ def guide(
             f"{least_x}× cuML or more; "
             f"training step on CAD meshes within {results.at_most(mesh_ratio, 2)}× the "
             "book's cloud",
-            _cost(bench, "knn/fused+graphs", "fused"),
+            _cost(bench, "knn/fused+graphs", "fused", shipping),
         ),
         (
             "the fused operators with index='grid' (chapter 11), "
             f"{_registered('fused', 'knn_aggregate')}",
             _train(clouds, "knn/fused-grid+graphs"),
             f"falls off a cliff: {_worst(times, 'fused-grid')}",
-            _cost(clouds, "knn/fused-grid+graphs", "fused"),
+            _cost(clouds, "knn/fused-grid+graphs", "fused", shipping),
         ),
         (
             "the Triton grid search (chapter 8), a triton_op "
@@ -201,7 +233,7 @@ def guide(
             f"{_registered('fused', 'radius_aggregate')}, in one graph",
             _train(bench, "radius/fused+graphs"),
             results.against_book_cloud(fused_x),
-            _cost(bench, "radius/fused+graphs", "fused"),
+            _cost(bench, "radius/fused+graphs", "fused", shipping),
         ),
         (
             "Warp's hash grid as a custom operator "
