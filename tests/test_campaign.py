@@ -183,3 +183,30 @@ def test_only_takes_prefixes_and_whole_names():
     assert [j.name for j in picked] == ["bench:radius/warp", "chapter:01_a"]
     assert len(campaign.select(jobs, "bench:radius/warp")) == 3
     assert campaign.select(jobs, "nbval:01_a$,chapter:") == jobs[3:]
+
+
+def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
+    """``campaign/`` (the book's campaign, resumed across sessions) holds only jobs that
+    ended well, a part for each of them that writes one, and no part without its job:
+    each benchmark part is the H200 runs of one variant, five fresh processes."""
+    from extkernels import variants
+
+    root = Path(__file__).resolve().parents[1] / "campaign"
+    if not (root / "status.json").exists():
+        pytest.skip("no campaign in progress")
+    status = json.loads((root / "status.json").read_text())
+    assert {s["state"] for s in status.values()} <= {"ok"}
+    measuring = ("bench", "geometry", "distributed")
+    parts = {
+        f"{p.parent.name}:{p.stem.replace('__', '/')}": p
+        for p in (root / "parts").rglob("*.json")
+    }
+    assert set(parts) == {n for n in status if n.split(":")[0] in measuring}
+    names = {v.name for v in variants.VARIANTS}
+    for name, path in parts.items():
+        if not name.startswith("bench:"):
+            continue
+        data = json.loads(path.read_text())
+        assert data["meta"]["hardware"] == "NVIDIA H200", name
+        assert {r["variant"] for r in data["runs"]} == {name[6:]} <= names
+        assert len(data["runs"]) == data["meta"]["repeats"] == 5, name
