@@ -13,7 +13,7 @@ import torch
 from triton.testing import do_bench
 
 from ..ops.triton import ops
-from ..timing import verdict, within_goal
+from ..timing import against_goal, verdict
 
 __all__ = [
     "target_quotes",
@@ -35,13 +35,6 @@ EAGER, COMPILED, GRAPHS = (
 )
 
 
-def _time_words(row: pd.Series, metric: str, goal: float) -> str:
-    met = within_goal(row, metric, goal)
-    if met is None:
-        return f"within {goal:g} ms in some runs only"
-    return f"{'within' if met else 'above'} {goal:g} ms in every run"
-
-
 def _speedup_words(cuml: pd.Series, row: pd.Series, metric: str) -> str:
     if cuml[f"{metric}_min"] / row[f"{metric}_max"] >= SPEEDUP:
         return f"at least {SPEEDUP}× faster than cuML in every run"
@@ -54,18 +47,18 @@ def target_quotes(table: pd.DataFrame) -> dict[str, float | str]:
     """What chapter 8's prose says of ``knn/triton+reduce-overhead`` against its targets
     (:data:`FORWARD_MS`, :data:`TRAIN_MS`, :data:`SPEEDUP` over :data:`CUML`), from a
     timing table of the benchmark's runs: the verdicts (``fwd_goal``, ``train_goal``:
-    a time goal met in every run, in some runs only or in none, and the speedup in
-    every run, by the medians only or not at all), the slowest forward run and the
-    speedups, and the graphed step against the compiled one by the runs' ranges."""
+    the median and the time goal met in every run, in some runs only or in none, by
+    :func:`~extkernels.timing.against_goal`, and the speedup in every run, by the
+    medians only or not at all), the slowest forward run and the speedups, and the
+    graphed step against the compiled one by the runs' ranges."""
     ro, cuml = table.loc[GRAPHS], table.loc[CUML]
-    fwd = _time_words(ro, "forward", FORWARD_MS)
-    train = _time_words(ro, "train", TRAIN_MS)
+    fwd = against_goal(table, GRAPHS, "forward", FORWARD_MS)
+    train = against_goal(table, GRAPHS, "train", TRAIN_MS)
     return {
         "fwd_goal": f"{fwd} and {_speedup_words(cuml, ro, 'forward')}",
         "ro_fwd_max": float(ro["forward_max"]),
         "fwd_gain_min": float(cuml["forward_min"] / ro["forward_max"]),
         "train_goal": f"{train} and {_speedup_words(cuml, ro, 'train')}",
-        "ro_train_ms": float(ro["train_ms"]),
         "train_gain": float(cuml["train_ms"] / ro["train_ms"]),
         "train_gain_min": float(cuml["train_min"] / ro["train_max"]),
         "graphs_vs_compiled": verdict(table, GRAPHS, COMPILED, "train"),
