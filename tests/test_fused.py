@@ -430,6 +430,22 @@ def test_the_benchmark_quotes_say_which_targets_are_met_and_what_compiling_gains
     )
     assert quotes["knn_compile_in_graph_train"] == "faster than"
     assert "radius_compile_in_graph_train" not in quotes
+    assert "knn_one_graph_settings_train" not in quotes  # no row of the defaults
+
+
+def test_the_quotes_compare_inductors_settings_for_one_graph_by_the_ranges():
+    from extkernels.experiments import whole_step_report as report
+
+    names = ["knn/fused+compile+graphs", "knn/fused+compile+graphs+inductor-defaults"]
+    bench = pd.DataFrame(
+        {"forward_ms": [0.278, 0.286], "train_ms": [0.547, 0.548]}, index=names
+    )
+    bench["forward_min"], bench["forward_max"] = [0.277, 0.285], [0.279, 0.287]
+    bench["train_min"], bench["train_max"] = [0.545, 0.546], [0.549, 0.550]
+    quotes = report.benchmark_quotes(bench, {})
+    assert quotes["knn_one_graph_settings_fwd"] == "faster than"
+    assert quotes["knn_one_graph_settings_train"] == "within the run-to-run spread of"
+    assert "radius_one_graph_settings_fwd" not in quotes
 
 
 def test_a_target_is_met_only_when_every_run_meets_it():
@@ -670,3 +686,27 @@ def test_knn_out_compiles_whole_and_exports_as_a_mutation():
         "indices",
     }
     torch.testing.assert_close(ep.module()(p_query, p_ref), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_one_graph_inductor_keeps_each_bias_inside_the_matrix_product():
+    from torch._inductor.utils import run_and_get_code
+
+    from extkernels.variants import IN_ONE_GRAPH
+
+    prob = ek.problem()
+    p_ref = ek.reference_cloud(prob.n_ref, seed=0, device="cuda")
+    p_query = ek.query_grid(prob.grid_side, device="cuda")
+    agg = ek.KnnAggregation(prob.k, prob.sigma, "fused")
+    model = ek.Projector(agg, prob.hidden).cuda()
+    code = {}
+    for label, options in (("defaults", {}), ("one graph", IN_ONE_GRAPH)):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, options=options or None)
+        _, sources = run_and_get_code(compiled, p_query, p_ref)
+        code[label] = "\n".join(sources)
+    # the default splits the bias out of the product to fuse it with the ReLU after
+    assert "extern_kernels.addmm" not in code["defaults"]
+    assert "extern_kernels.mm" in code["defaults"]
+    assert "extern_kernels.addmm" in code["one graph"]

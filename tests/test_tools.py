@@ -224,6 +224,25 @@ def test_every_variant_has_an_eager_torch_baseline():
     assert all(V.baseline_of(v) in names for v in V.VARIANTS)
 
 
+def test_the_one_graph_variants_compile_with_inductors_one_graph_settings(
+    small_problem, monkeypatch
+):
+    given = {}
+
+    def compile(model, **kwargs):
+        given.update(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", compile)
+    for name in ("knn/fused+compile+graphs", "radius/fused+compile+graphs"):
+        given.clear()
+        V.get(name).build(small_problem)
+        assert given["options"] == V.IN_ONE_GRAPH == {"pattern_matcher": False}
+    given.clear()
+    V.get("knn/fused+compile+graphs+inductor-defaults").build(small_problem)
+    assert given == {"fullgraph": True, "mode": None}  # inductor's defaults
+
+
 def test_a_floor_variant_projects_through_a_fixed_gather(small_problem):
     model, _, (p_query, p_ref, _) = V.get("knn/floor").build(small_problem)
     assert isinstance(model.aggregation, extkernels.FixedGather)

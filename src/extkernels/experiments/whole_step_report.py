@@ -35,6 +35,7 @@ BENCHMARK_ROWS = [
         "fused+reduce-overhead",
         "fused+graphs",
         "fused+compile+graphs",
+        "fused+compile+graphs+inductor-defaults",
         "floor+graphs",
     )
 ]
@@ -62,8 +63,10 @@ def benchmark_quotes(bench: pd.DataFrame, goals: dict) -> dict[str, float]:
     :data:`QUOTED_ROWS` that it holds; ``<variant>_outcome``, which of its ``goals``
     (forward ms, training ms) a variant meets, in words; and
     ``<workload>_compile_in_graph_train``, the compiled model's training step in one
-    graph against the eager model's (:func:`~extkernels.timing.verdict`) (chapter
-    11)."""
+    graph against the eager model's (:func:`~extkernels.timing.verdict`);
+    ``<workload>_one_graph_settings_fwd`` and ``_train``, the compiled model in one
+    graph with :data:`~extkernels.variants.IN_ONE_GRAPH` against inductor's defaults
+    (chapter 11)."""
     out = {}
     for name in [*goals, *QUOTED_ROWS]:
         if name in bench.index:
@@ -79,6 +82,11 @@ def benchmark_quotes(bench: pd.DataFrame, goals: dict) -> dict[str, float]:
         pair = [f"{workload}/fused+compile+graphs", f"{workload}/fused+graphs"]
         if all(n in bench.index for n in pair) and "train_min" in bench:
             out[f"{workload}_compile_in_graph_train"] = verdict(bench, *pair, "train")
+        pair = [pair[0], f"{pair[0]}+inductor-defaults"]
+        if all(n in bench.index for n in pair) and "train_min" in bench:
+            for metric, short in (("forward", "fwd"), ("train", "train")):
+                key = f"{workload}_one_graph_settings_{short}"
+                out[key] = verdict(bench, *pair, metric)
     return out
 
 
