@@ -706,7 +706,10 @@ def test_in_one_graph_inductor_keeps_each_bias_inside_the_matrix_product():
         compiled = torch.compile(model, fullgraph=True, options=options or None)
         _, sources = run_and_get_code(compiled, p_query, p_ref)
         code[label] = "\n".join(sources)
-    # the default splits the bias out of the product to fuse it with the ReLU after
-    assert "extern_kernels.addmm" not in code["defaults"]
-    assert "extern_kernels.mm" in code["defaults"]
-    assert "extern_kernels.addmm" in code["one graph"]
+    # the default splits the bias out of each product followed by a ReLU, to add it in
+    # the ReLU's kernel; a product whose output goes elsewhere keeps it either way
+    fused_bias = {
+        label: text.count("extern_kernels.addmm") for label, text in code.items()
+    }
+    assert "extern_kernels.mm(" in code["defaults"]
+    assert fused_bias["one graph"] >= fused_bias["defaults"] + 4  # the four ReLUs'
