@@ -200,6 +200,20 @@ def test_slope_and_variant_quotes_use_the_names_the_prose_reads():
     assert "knn_best_vs_runner_up" not in q  # no ranges, no verdict
 
 
+def test_the_runner_up_is_another_projector_not_the_fastest_with_a_setting_changed():
+    part = pd.DataFrame(
+        {"train_ms": [0.5, 0.51, 0.6], "forward_ms": [0.2, 0.2, 0.3]},
+        index=[
+            "knn/fused+compile+graphs",
+            "knn/fused+compile+graphs+inductor-defaults",
+            "knn/fused+graphs",
+        ],
+    )
+    q = scaling.variant_quotes({"kNN projector": part})
+    assert q["knn_runner_up"] == "knn/fused+graphs" and q["knn_runner_up_train"] == 0.6
+    assert q["knn_n_variants"] == 3  # still counted and shown
+
+
 @pytest.mark.parametrize(
     "runner_up_range, words",
     [((0.6, 0.7), "faster than"), ((0.45, 0.7), "within the run-to-run spread of")],
