@@ -154,6 +154,17 @@ def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
         ]
 
 
+def test_a_library_that_does_not_load_is_listed_as_skipped_not_a_failure(tmp_path):
+    path = str(tmp_path / "geometry.json")
+    argv = ["bench", "--methods", "cupy-knn", "--geometries", "normal"]
+    rc = geometry.main([*argv, "--sizes", "200", "--repeats", "1", "--out", path])
+    data = json.loads((tmp_path / "geometry.json").read_text())
+    assert rc == 0 and data == {"skipped": ["cupy-knn"]}
+    geometry.merge_into(path, {"runs": [{"method": "cupy-knn", "ms": 1.0}]})
+    data = json.loads((tmp_path / "geometry.json").read_text())
+    assert "skipped" not in data, "a method timed later is no longer skipped"
+
+
 def test_radius_targets_compare_each_cloud_with_the_books():
     rows = [
         {

@@ -312,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         merge_into(args.out, {"checks": rows})
         return 0
     rows = bench(methods, geometries, sizes, repeats=args.repeats, side=args.side)
+    if not rows:  # no method loaded here (each run said why): nothing to time
+        print(f"nothing timed: {', '.join(methods)} did not load here", flush=True)
+        merge_into(args.out, {"skipped": methods})
+        return 0
     with pd.option_context(
         "display.width", 200, "display.float_format", "{:.3f}".format
     ):
@@ -333,8 +337,16 @@ def main(argv: list[str] | None = None) -> int:
 def merge_into(path: str, parts: dict) -> None:
     """Adds ``parts`` to the JSON at ``path`` (runs, checks and traits are appended; a
     method timed or checked again replaces its earlier rows; the meta's date lists
-    every call's), so that several calls build one file."""
+    every call's; ``skipped`` lists the methods that did not load, until one is timed),
+    so that several calls build one file."""
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    timed = {r["method"] for r in parts.get("runs", [])}
+    skipped = [*data.get("skipped", []), *parts.get("skipped", [])]
+    skipped = [m for m in dict.fromkeys(skipped) if m not in timed]
+    parts = {k: v for k, v in parts.items() if k != "skipped"}
+    data.pop("skipped", None)
+    if skipped:
+        data["skipped"] = skipped
     if "meta" in parts and "meta" in data:  # the date of every call, in order
         dates = [*data["meta"]["date"].split(", "), parts["meta"]["date"]]
         meta = {**parts["meta"], "date": ", ".join(dict.fromkeys(dates))}
