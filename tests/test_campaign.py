@@ -124,6 +124,20 @@ def test_the_plan_times_each_variant_once_and_executes_every_page():
     assert bench.argv[bench.argv.index("--repeats") + 1] == "3"
 
 
+def test_each_geometry_job_times_the_sizes_its_pages_read():
+    from extkernels import clouds
+    from extkernels.experiments import geometry
+
+    jobs = {j.name: j.argv for j in campaign.plan(repeats=3)}
+    for m in [*geometry.METHODS, *geometry.LIBRARIES, *geometry.RADIUS]:
+        argv = jobs[f"geometry:{m}"]
+        sizes = {int(n) for n in argv[argv.index("--sizes") + 1].split(",")}
+        # chapter 14 and the guide read the radius methods at the radius projector's
+        # cloud size, the searches at 10^4 to 10^6 points
+        want = {clouds.RADIUS_N} if m in geometry.RADIUS else {10**4, 10**5, 10**6}
+        assert sizes == want, m
+
+
 def test_each_file_gets_its_variants_and_the_ones_shown_beside_them(tmp_path):
     from extkernels import variants as V
 

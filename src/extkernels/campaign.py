@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import benchmark
+from . import benchmark, clouds
 from . import variants as V
 from .distributed import command
 from .experiments import geometry
@@ -130,7 +130,8 @@ def plan(
     g = _py("extkernels.experiments.geometry")
     for m in [*geometry.METHODS, *geometry.LIBRARIES, *geometry.RADIUS]:
         part = f"parts/geometry/{m}.json"
-        argv = [*g, "bench", "--methods", m, "--sizes", GEOMETRY_SIZES, "--out", part]
+        sizes = str(clouds.RADIUS_N) if m in geometry.RADIUS else GEOMETRY_SIZES
+        argv = [*g, "bench", "--methods", m, "--sizes", sizes, "--out", part]
         jobs.append(Job(f"geometry:{m}", argv, 0, produces=part))
     part = "parts/geometry/checks.json"
     jobs.append(Job("geometry:checks", [*g, "check", "--out", part], 0, produces=part))

@@ -43,6 +43,10 @@ MESHES = {
     "spitfire": "data/spitfire_assy-gear_up.stl",
 }
 
+#: The radius methods' cloud size on every geometry: the reference cloud of the book's
+#: radius projector (:func:`extkernels.problem.problem`).
+RADIUS_N = 25_000
+
 #: Every geometry, and what it is.
 GEOMETRIES = {
     "normal": "standard normal, queries on the grid over [-1, 1]^3 (the book's cloud)",

@@ -273,7 +273,7 @@ def targets(
     return out.round(3)
 
 
-def radius_targets(times: pd.DataFrame, n: int = 25_000) -> pd.DataFrame:
+def radius_targets(times: pd.DataFrame, n: int = clouds.RADIUS_N) -> pd.DataFrame:
     """Per cloud: each radius method's milliseconds at ``n`` points, its ratio to its
     time on the book's cloud, and whether the fused backend's stays within the goal of
     chapter 14 (2x)."""

@@ -63,7 +63,9 @@ def tree_quotes(times: pd.DataFrame, goals: pd.DataFrame) -> dict[str, float | s
     }
 
 
-def radius_vs_warp_quotes(times: pd.DataFrame, n: int = 25_000) -> dict[str, str]:
+def radius_vs_warp_quotes(
+    times: pd.DataFrame, n: int = clouds.RADIUS_N
+) -> dict[str, str]:
     """The fused radius walk against Warp's hash grid, search against search, on every
     cloud of the geometry command (``times``:
     :func:`~extkernels.experiments.geometry.table`), for the results page: where its
