@@ -340,12 +340,10 @@ def merge_into(path: str, parts: dict) -> None:
     every call's; ``skipped`` lists the methods that did not load, until one is timed),
     so that several calls build one file."""
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    parts = dict(parts)
     timed = {r["method"] for r in parts.get("runs", [])}
-    skipped = [*data.get("skipped", []), *parts.get("skipped", [])]
-    skipped = [m for m in dict.fromkeys(skipped) if m not in timed]
-    parts = {k: v for k, v in parts.items() if k != "skipped"}
-    data.pop("skipped", None)
-    if skipped:
+    skipped = [*data.pop("skipped", []), *parts.pop("skipped", [])]
+    if skipped := [m for m in dict.fromkeys(skipped) if m not in timed]:
         data["skipped"] = skipped
     if "meta" in parts and "meta" in data:  # the date of every call, in order
         dates = [*data["meta"]["date"].split(", "), parts["meta"]["date"]]
