@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .clouds import RADIUS_N
+
 __all__ = ["Problem", "problem"]
 
 
@@ -116,5 +118,5 @@ def problem() -> Problem:
             repeats=2,
         )
     return Problem(
-        device=device, small=False, n_ref=100_000, n_ref_radius=25_000, grid_side=30
+        device=device, small=False, n_ref=100_000, n_ref_radius=RADIUS_N, grid_side=30
     )
