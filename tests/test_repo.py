@@ -398,3 +398,15 @@ def test_no_chapter_lists_a_registration_from_the_package():
         if cell.cell_type == "code" and "show_listing(" in cell.source
     ]
     assert not listed, f"registrations shown from the package: {listed}"
+
+
+def test_no_page_times_a_benchmark_variant_again():
+    """A variant the benchmark command times has one figure in the book: a page reads
+    the campaign's runs (``results.recorded``) and never times the variant itself."""
+    again = [
+        f"{path.name} cell {i}"
+        for path in NOTEBOOKS
+        for i, cell in _code_cells(path)
+        if re.search(r"\b(benchmark\.run_all|variants\.run)\(", cell.source)
+    ]
+    assert not again, "pages time benchmark variants again: " + ", ".join(again)

@@ -4,9 +4,9 @@
     python -m extkernels.execute book/                 # every chapter, in order
     python -m extkernels.execute book/01_eager_baseline.ipynb --timeout 900
 
-The per-cell timeout defaults to 30 minutes: a chapter's timing cell runs every variant
-it compares in five fresh processes, and chapter 9's eight variants need more than ten
-minutes of it on an H200.
+The per-cell timeout defaults to 30 minutes, room for a cell that compiles, builds or
+packages projectors in fresh processes (chapters 4 and 15); the chapters read the
+benchmark command's timings from its file instead of timing its variants again.
 
 Each notebook runs in a fresh kernel with its own folder as working directory. A cell
 that raises stops that notebook, which is then left untouched on disk, and the command

@@ -87,7 +87,8 @@ def call_costs(
     median of ``repeats`` blocks of ``n_iters`` calls, with the fastest and slowest
     block as ``low`` and ``high`` (value checks off, as in timed iterations); last, the
     kernel's own time on the device by ``do_bench``, which empties the L2 cache before
-    each call (median, with the 20th and 80th percentiles as ``low`` and ``high``)."""
+    each call, replayed from a CUDA graph so that no host work shows (median, with the
+    20th and 80th percentiles as ``low`` and ``high``)."""
     args = (weights, indices, feats)
     ours = torch.ops.extkernels_ptx.gather
     kernels.gather(*args)  # builds this shape (and pyptx's operator for it)
@@ -116,7 +117,8 @@ def call_costs(
                 "low": fastest * 1e3,
                 "high": slowest * 1e3,
             }
-    p20, p50, p80 = do_bench(lambda: kernels.gather(*args), quantiles=[0.2, 0.5, 0.8])
+    alone = CapturedStep(lambda: kernels.gather(*args))
+    p20, p50, p80 = do_bench(alone, quantiles=[0.2, 0.5, 0.8])
     rows["the kernel alone (do_bench: device time, L2 emptied first)"] = {
         "µs per call": p50 * 1e3,
         "low": p20 * 1e3,
@@ -130,7 +132,8 @@ def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
     gather and of its adjoint, the scatter, in PyTorch, C++ (chapter 9), Triton and PTX,
     on the same inputs. Each kernel is called with as little Python around it as its
     language allows (the C++ operators, Triton's launcher, pyptx's kernel object), and
-    every scatter allocates its zeros."""
+    every scatter allocates its zeros. ``do_bench`` times each call replayed from a
+    CUDA graph, so that a slow host's launches do not show as device time."""
     cpp = torch.ops.extkernels_cpp
     n_ref = feats.shape[0]
     contributions = weights.unsqueeze(-1) * grad_out.unsqueeze(1)
@@ -163,7 +166,9 @@ def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
     rows = {}
     with value_checks(False):
         for key, fn in ways.items():
-            p20, p50, p80 = do_bench(fn, quantiles=[0.2, 0.5, 0.8])
+            # replayed from a CUDA graph, a call launches without Python: do_bench's
+            # events then time the device alone, however slow the host
+            p20, p50, p80 = do_bench(CapturedStep(fn), quantiles=[0.2, 0.5, 0.8])
             rows[key] = {"ms": p50, "p20": p20, "p80": p80}
     table = pd.DataFrame(rows).T.sort_index(level=0, sort_remaining=False)
     table.index.names = ["piece", "written in"]

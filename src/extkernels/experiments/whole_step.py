@@ -25,6 +25,7 @@ from ..ops.checks import value_checks
 from ..problem import Problem
 from ..profiling import profile, runtime_calls
 from ..timing import first_call_seconds, time_blocks, time_fn
+from ..variants import IN_ONE_GRAPH
 
 __all__ = [
     "lanes_table",
@@ -133,7 +134,8 @@ def projector(workload: str, prob: Problem):
 def captured_steps(model, p_query, p_ref, target, n_iters: int = 200, top: int = 8):
     """The training step of ``model`` captured in one CUDA graph twice (chapter 11):
     with the eager model inside, then with ``torch.compile(model, fullgraph=True)``
-    (inductor's kernels then run in the graph). Each is timed by replays, medians of
+    and inductor's settings for one graph (:data:`~extkernels.variants.IN_ONE_GRAPH`;
+    inductor's kernels then run in the graph). Each is timed by replays, medians of
     five blocks of ``n_iters``, value checks off; then the kernels of the compiled
     step's replay are listed (:func:`replay_kernels`). Both steps train ``model``.
 
@@ -142,7 +144,7 @@ def captured_steps(model, p_query, p_ref, target, n_iters: int = 200, top: int =
         (``eager``, ``compiled``) with ``ms``, ``min`` and ``max``; and the
         ``top`` kernels of a replay.
     """
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, fullgraph=True, options=IN_ONE_GRAPH)
     times = {}
     with value_checks(False):
         for label, inside in (("eager", model), ("compiled", compiled)):
