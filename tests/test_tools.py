@@ -840,7 +840,9 @@ def test_the_guide_gives_the_warm_first_call_where_the_benchmark_measured_it():
     _, bench = results.load(data / "benchmark-h200.json")
     _, clouds = results.load(data / "benchmark-clouds-h200.json")
     _, times, _ = geometry.load(data / "geometry-h200.json")
+    # chapter 14's file gives the blob row its first call: neither file has a warm one
     bench = bench.drop(columns="warm_first_call_s", errors="ignore")
+    clouds = clouds.drop(columns="warm_first_call_s", errors="ignore")
     cold = guide.guide(bench, clouds, times).to_string()
     assert "first call of a new process" in cold and "caches warm" not in cold
     bench["warm_first_call_s"] = 0.25
@@ -855,7 +857,10 @@ def test_the_answer_reads_the_fastest_steps_and_the_verdicts_from_the_files():
     q = results.answer_quotes(bench, clouds)
     exact = bench[~results.is_floor(bench)]
     knn = exact[exact.index.str.startswith("knn/")].sort_values("train_ms")
-    assert q["knn_best"] == knn.index[0] and q["knn_runner_up"] == knn.index[1]
+    best = knn.index[0]
+    # the runner-up is another projector, not the fastest with a setting changed
+    others = [v for v in knn.index[1:] if not v.startswith(f"{best}+")]
+    assert q["knn_best"] == best and q["knn_runner_up"] == others[0]
     assert q["knn_best_train"] == knn["train_ms"].iloc[0]
     assert "floor" not in q["radius_best"]
     bench.loc["knn/cuml", ["train_ms", "train_min", "train_max"]] = 0.001
@@ -871,6 +876,9 @@ def test_the_answer_sets_the_tree_beside_the_fastest_other_backend_by_the_ranges
     _, bench = results.load(data / "benchmark-h200.json")
     _, clouds = results.load(data / "benchmark-clouds-h200.json")
     cols = ["train_ms", "train_min", "train_max"]
+    knn, fused = (bench.index.str.startswith(w) for w in ("knn/", "knn/fused"))
+    bench.loc[knn & fused, cols] = 3.0, 2.9, 3.1  # every fused variant, then the
+    bench.loc[knn & ~fused, cols] = 5.0, 4.9, 5.1  # others, slower than those below
     bench.loc["knn/cpp+graphs", cols] = 1.0, 0.9, 1.1
     bench.loc["knn/ptx+graphs", cols] = 1.2, 1.1, 1.3
     bench.loc["knn/fused+graphs", cols] = 3.0, 2.9, 3.1
