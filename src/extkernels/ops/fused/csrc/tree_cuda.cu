@@ -36,7 +36,7 @@ namespace {
 
 // The Morton sort (CUB's onesweep radix sort, six passes of 8 bits). CUB tunes it for
 // hundreds of millions of keys: on Hopper a block sorts 5,760 of these pairs per pass,
-// so that 10^5 points make 18 blocks for 132 multiprocessors (a pass: 9 us on an H100).
+// so that 10^5 points make 18 blocks for 132 multiprocessors and leave most of them idle.
 // Up to kSmallSort points, a tile of kSortThreads * kSortItems / 2 pairs fills the GPU.
 // (The tiles are set through CUB's dispatch layer, whose form is CUB 3.0's, as in CUDA
 // 13.0; another CUB sorts with its own tiles.)
