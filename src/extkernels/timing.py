@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from torch.utils import benchmark
 
-from .graphs import captured_forward, captured_train_step
+from .graphs import CapturedStep, captured_forward, captured_train_step
 from .ops.checks import value_checks
 from .training import make_forward, make_train_step
 
@@ -33,6 +33,7 @@ __all__ = [
     "make_train_step",
     "time_fn",
     "time_blocks",
+    "device_quantiles",
     "time_projector",
     "first_call_seconds",
     "peak_memory_mb",
@@ -80,6 +81,18 @@ def time_blocks(
     (:func:`time_fn` each): the median block, the fastest and the slowest."""
     times = sorted(time_fn(fn, n_iters) for _ in range(repeats))
     return times[len(times) // 2], times[0], times[-1]
+
+
+def device_quantiles(
+    fn: Callable[[], object], quantiles: tuple[float, ...] = (0.2, 0.5, 0.8)
+) -> list[float]:
+    """Milliseconds of ``fn``'s kernels on the device at ``quantiles``: Triton's
+    ``do_bench`` (the L2 cache emptied before each call) of ``fn`` captured in a CUDA
+    graph and replayed, so that no Python runs between its events and a host slow to
+    launch never counts as device time. ``fn`` must be capturable (fixed inputs)."""
+    from triton.testing import do_bench
+
+    return do_bench(CapturedStep(fn), quantiles=list(quantiles))
 
 
 def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:

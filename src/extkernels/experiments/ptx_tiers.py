@@ -19,13 +19,18 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 from pyptx.jax_support import get_cubin_registry
-from triton.testing import do_bench
 
 from ..graphs import CapturedStep
 from ..ops.checks import value_checks
 from ..ops.ptx import kernels
 from ..ops.triton import ops as triton_ops
-from ..timing import first_call_seconds, ranked, time_blocks, verdict
+from ..timing import (
+    device_quantiles,
+    first_call_seconds,
+    ranked,
+    time_blocks,
+    verdict,
+)
 
 __all__ = [
     "builds",
@@ -86,9 +91,9 @@ def call_costs(
     """Microseconds per call of the PTX gather, called each way, back to back: the
     median of ``repeats`` blocks of ``n_iters`` calls, with the fastest and slowest
     block as ``low`` and ``high`` (value checks off, as in timed iterations); last, the
-    kernel's own time on the device by ``do_bench``, which empties the L2 cache before
-    each call, replayed from a CUDA graph so that no host work shows (median, with the
-    20th and 80th percentiles as ``low`` and ``high``)."""
+    kernel's own time on the device (:func:`~extkernels.timing.device_quantiles`: the
+    L2 cache emptied before each call, no host work between its events; median, with
+    the 20th and 80th percentiles as ``low`` and ``high``)."""
     args = (weights, indices, feats)
     ours = torch.ops.extkernels_ptx.gather
     kernels.gather(*args)  # builds this shape (and pyptx's operator for it)
@@ -117,8 +122,7 @@ def call_costs(
                 "low": fastest * 1e3,
                 "high": slowest * 1e3,
             }
-    alone = CapturedStep(lambda: kernels.gather(*args))
-    p20, p50, p80 = do_bench(alone, quantiles=[0.2, 0.5, 0.8])
+    p20, p50, p80 = device_quantiles(lambda: kernels.gather(*args))
     rows["the kernel alone (do_bench: device time, L2 emptied first)"] = {
         "µs per call": p50 * 1e3,
         "low": p20 * 1e3,
@@ -132,8 +136,8 @@ def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
     gather and of its adjoint, the scatter, in PyTorch, C++ (chapter 9), Triton and PTX,
     on the same inputs. Each kernel is called with as little Python around it as its
     language allows (the C++ operators, Triton's launcher, pyptx's kernel object), and
-    every scatter allocates its zeros. ``do_bench`` times each call replayed from a
-    CUDA graph, so that a slow host's launches do not show as device time."""
+    every scatter allocates its zeros; :func:`~extkernels.timing.device_quantiles`
+    times each, replayed from a CUDA graph, so that no launch shows as device time."""
     cpp = torch.ops.extkernels_cpp
     n_ref = feats.shape[0]
     contributions = weights.unsqueeze(-1) * grad_out.unsqueeze(1)
@@ -166,9 +170,7 @@ def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
     rows = {}
     with value_checks(False):
         for key, fn in ways.items():
-            # replayed from a CUDA graph, a call launches without Python: do_bench's
-            # events then time the device alone, however slow the host
-            p20, p50, p80 = do_bench(CapturedStep(fn), quantiles=[0.2, 0.5, 0.8])
+            p20, p50, p80 = device_quantiles(fn)
             rows[key] = {"ms": p50, "p20": p20, "p80": p80}
     table = pd.DataFrame(rows).T.sort_index(level=0, sort_remaining=False)
     table.index.names = ["piece", "written in"]
