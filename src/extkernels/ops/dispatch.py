@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from .checks import call_checked, check_knn, check_knn_aggregate, check_radius_aggregate
-from .registry import lookup
+from .registry import check_position_grads, lookup
 
 __all__ = ["knn", "knn_aggregate", "radius_aggregate"]
 
@@ -47,6 +47,7 @@ def knn(
     """
     k = check_knn(p_query, p_ref, k)
     fn = lookup("knn", backend, p_query.device)
+    check_position_grads("knn", backend, p_query, p_ref)
     return call_checked(fn, p_query, p_ref, k, **options)
 
 
@@ -76,6 +77,7 @@ def knn_aggregate(
     feats, autocast = _outside_autocast(feats)
     k, sigma = check_knn_aggregate(p_query, p_ref, feats, k, sigma)
     fn = lookup("knn_aggregate", backend, p_query.device)
+    check_position_grads("knn_aggregate", backend, p_query, p_ref)
     with autocast:
         return call_checked(fn, p_query, p_ref, feats, k, sigma, **options)
 
@@ -107,6 +109,7 @@ def radius_aggregate(
     feats, autocast = _outside_autocast(feats)
     radius, sigma = check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
     fn = lookup("radius_aggregate", backend, p_query.device)
+    check_position_grads("radius_aggregate", backend, p_query, p_ref)
     with autocast:
         return call_checked(fn, p_query, p_ref, feats, radius, sigma, **options)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .gather import softmax_gather
+from .positions import refuse_position_grads
 
 __all__ = [
     "OPERATIONS",
@@ -43,6 +44,7 @@ __all__ = [
     "scratch",
     "backends",
     "lookup",
+    "check_position_grads",
 ]
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
@@ -60,12 +62,12 @@ def _always() -> bool:
 
 
 def _derive_knn_aggregate(knn: Callable) -> Callable:
-    """``knn_aggregate`` from a search: neighbours without gradient, then the
-    differentiable softmax-gather-sum (gradients reach ``feats`` through the gather)."""
+    """``knn_aggregate`` from a search: the neighbours, then the differentiable
+    softmax-gather-sum (gradients reach ``feats`` through the gather, and the clouds
+    through the search's distances where it differentiates them)."""
 
     def knn_aggregate(p_query, p_ref, feats, k, sigma, **options):
-        with torch.no_grad():
-            distances, indices = knn(p_query, p_ref, k, **options)
+        distances, indices = knn(p_query, p_ref, k, **options)
         return softmax_gather(distances, indices, feats, sigma)
 
     knn_aggregate.__doc__ = (
@@ -98,6 +100,10 @@ class Backend:
         not_benchmarked: why the benchmark has no variant of it; ``None`` (the
             default) when it has, in :data:`extkernels.variants.VARIANTS` (a test
             holds every registered backend to one or the other).
+        position_grads: the operations it differentiates with respect to ``p_query``
+            and ``p_ref`` (see :mod:`~extkernels.ops.positions`); a call of any other
+            whose clouds require grad is refused at forward time. A derived
+            ``knn_aggregate`` is differentiable where ``knn`` is.
     """
 
     name: str
@@ -111,10 +117,20 @@ class Backend:
     prepare: Callable[[], object] = _always
     toolchain: str = ""
     not_benchmarked: str | None = None
+    position_grads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.knn is not None and self.knn_aggregate is None:
             object.__setattr__(self, "knn_aggregate", _derive_knn_aggregate(self.knn))
+            if "knn" in self.position_grads:
+                grads = (*self.position_grads, "knn_aggregate")
+                object.__setattr__(self, "position_grads", tuple(dict.fromkeys(grads)))
+        unknown = set(self.position_grads) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(
+                f"position_grads: expected operations among {OPERATIONS}, got "
+                f"{sorted(unknown)}"
+            )
         unknown = set(self.operators) - set(OPERATIONS)
         if unknown:
             raise ValueError(
@@ -210,3 +226,20 @@ def lookup(op: str, name: str, device: torch.device) -> Callable:
             f"backend: {name!r} is not available on this machine (is it installed?)"
         )
     return getattr(b, op)
+
+
+def check_position_grads(
+    op: str, name: str, p_query: torch.Tensor, p_ref: torch.Tensor
+) -> None:
+    """At forward time, refuse a call of ``op`` by backend ``name`` whose clouds
+    require grad when the backend cannot differentiate ``op`` with respect to them: no
+    position that asked for a gradient ever gets ``None``. The error names the argument
+    and the backends here that can."""
+    if op in _BACKENDS[name].position_grads:
+        return
+    others = [
+        b.name
+        for b in _BACKENDS.values()
+        if op in b.position_grads and b.runs_on(p_query.device.type)
+    ]
+    refuse_position_grads(op, name, p_query, p_ref, others)

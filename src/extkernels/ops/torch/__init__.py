@@ -18,5 +18,6 @@ BACKEND = register(
         radius_aggregate=radius_aggregate,
         chapter=1,
         toolchain="PyTorch only",
+        position_grads=("knn", "radius_aggregate"),
     )
 )

@@ -5,11 +5,18 @@ the difference tensor alone is ``(M, N, 3)``. ``chunk_size`` processes the queri
 slices of that many rows to cap the memory at ``chunk_size x N``; ``None`` keeps the
 single-shot form whose cost chapter 1 measures. These functions accept float64 too, for
 gradient checks of other backends.
+
+Both are differentiable in ``p_query`` and ``p_ref`` with the neighbours held fixed
+(:mod:`~extkernels.ops.positions`), to any order: they are plain PyTorch. Neighbours at
+equal distance are taken by the lowest reference index, as every backend of the book
+takes them.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..positions import pairwise_distances, wants_grad, with_position_grads
 
 __all__ = ["knn", "radius_aggregate"]
 
@@ -33,6 +40,23 @@ def _distances(p_query: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
     return (p_query[:, None, :] - p_ref[None, :, :]).norm(dim=-1)
 
 
+def _nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` smallest of each row of ``d`` ``(M, N)``, ascending, a tie taken by the
+    lower column: ``(values, indices)``."""
+    if d.dtype == torch.float64:  # gradient checks: small clouds, a stable sort
+        values, indices = d.sort(dim=1, stable=True)
+        return values[:, :k], indices[:, :k]
+    # A distance is >= 0, so its float32 bits order as integers do: the bits above the
+    # column make one unique int64 key per entry, and the smallest keys are the nearest
+    # points, equal distances by the lower column. torch.topk's own order of ties is
+    # unspecified.
+    key = d.view(torch.int32).to(torch.int64)
+    key <<= 32
+    key |= torch.arange(d.shape[1], device=d.device)
+    indices = key.topk(k, dim=1, largest=False).indices
+    return d.gather(1, indices), indices
+
+
 def knn(
     p_query: torch.Tensor, p_ref: torch.Tensor, k: int, *, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,15 +70,16 @@ def knn(
 
     Returns:
         distances ``(M, k)`` ascending along each row, and indices ``(M, k)`` int64 into
-        p_ref.
+        p_ref; the distances differentiable in both clouds.
     """
-    parts = [
-        _distances(q, p_ref).topk(k, dim=1, largest=False)
-        for q in _chunks(p_query, chunk_size)
-    ]
+    with torch.no_grad():
+        parts = [_nearest(_distances(q, p_ref), k) for q in _chunks(p_query, chunk_size)]
     if len(parts) == 1:
-        return parts[0].values, parts[0].indices
-    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+        distances, indices = parts[0]
+    else:
+        distances = torch.cat([p[0] for p in parts])
+        indices = torch.cat([p[1] for p in parts])
+    return with_position_grads(distances, p_query, p_ref, indices), indices
 
 
 def radius_aggregate(
@@ -70,9 +95,11 @@ def radius_aggregate(
     F)``.
 
     Weights ``exp(-distance / sigma)`` over the reference points within ``radius``,
-    normalised per query; a query with no neighbour gets zeros. The weights depend on
-    geometry only, so the gradient reaches ``feats`` through the final matrix product.
+    normalised per query; a query with no neighbour gets zeros. The gradient reaches
+    ``feats`` through the final matrix product and, when they require grad, the clouds
+    through the weights (the set of neighbours held fixed).
     """
+    positions = wants_grad(p_query, p_ref)
     out = []
     for q in _chunks(p_query, chunk_size):
         with torch.no_grad():
@@ -83,6 +110,9 @@ def radius_aggregate(
             # large.
             nearest = torch.where(inside, d, torch.inf).amin(dim=1, keepdim=True)
             nearest = torch.where(torch.isinf(nearest), 0.0, nearest)
+        if positions:  # the same distances, now recorded by autograd
+            d = pairwise_distances(q, p_ref)
+        with torch.set_grad_enabled(positions):
             w = torch.where(inside, torch.exp((nearest - d) / sigma), 0.0).to(
                 feats.dtype
             )

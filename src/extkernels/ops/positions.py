@@ -1,0 +1,183 @@
+"""Gradients with respect to the point positions, shared by every backend (chapter 6).
+
+The neighbours a search picks are piecewise constant in the positions, so they are held
+fixed, as PyTorch3D's ``knn_points`` does: the gradient reaches ``p_query`` and
+``p_ref`` through the distance of each (query, neighbour) pair and, in the
+aggregations, through the weights made of those distances. Everything here is PyTorch
+operations on the neighbours' indices, so a backward made of them has fakes already,
+compiles with ``fullgraph=True`` and can itself be differentiated (second order).
+
+A distance of exactly zero (a query that is one of the reference points) has no
+derivative; its gradient is taken as zero, in the first order and the second, never
+NaN.
+
+A backend that cannot differentiate an operation with respect to positions leaves the
+operation out of its ``position_grads`` (:class:`~extkernels.ops.registry.Backend`), and
+:func:`~extkernels.ops.registry.check_position_grads` refuses the call at forward time, naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = [
+    "distance_backward",
+    "knn_aggregate_backward",
+    "neighbour_distances",
+    "pairwise_distances",
+    "refuse_position_grads",
+    "register_knn_autograd",
+    "safe_norm",
+    "with_position_grads",
+    "wants_grad",
+]
+
+
+def safe_norm(diff: torch.Tensor) -> torch.Tensor:
+    """The Euclidean norm over the last axis whose gradient, and the gradient's
+    gradient, are zero where the norm is zero (``torch.norm``'s second derivative is NaN
+    there)."""
+    squared = (diff * diff).sum(dim=-1)
+    nonzero = squared > 0
+    return torch.where(nonzero, torch.where(nonzero, squared, 1.0).sqrt(), 0.0)
+
+
+def neighbour_distances(
+    p_query: torch.Tensor, p_ref: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """``(M, k)`` distances from each query to its neighbours ``indices`` ``(M, k)``
+    int64, differentiable in both ``(M, 3)`` and ``(N, 3)`` clouds."""
+    return safe_norm(p_query.unsqueeze(1) - p_ref[indices])
+
+
+def pairwise_distances(p_query: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
+    """``(M, N)`` distances of every pair, differentiable in both clouds (the brute
+    force's, for a caller that asks for position gradients)."""
+    return safe_norm(p_query[:, None, :] - p_ref[None, :, :])
+
+
+def with_position_grads(
+    distances: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """``distances`` ``(M, k)`` as a search returned them, bit for bit, with the
+    gradient of :func:`neighbour_distances` attached (when a cloud requires grad)."""
+    if not wants_grad(p_query, p_ref):
+        return distances
+    exact = neighbour_distances(p_query, p_ref, indices)
+    return distances.detach() + (exact - exact.detach())
+
+
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode is on and one of them
+    requires grad."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def distance_backward(
+    grad_distances: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    indices: torch.Tensor,
+    needs: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The clouds' gradients from the distances' gradient ``(M, k)``: each pair's
+    ``grad * (q - r) / |q - r|`` summed onto its query, and subtracted from its
+    reference point. ``needs`` says which of the two to compute."""
+    diff = p_query.unsqueeze(1) - p_ref[indices]  # (M, k, 3)
+    d = safe_norm(diff)
+    nonzero = d > 0
+    scale = torch.where(nonzero, grad_distances / torch.where(nonzero, d, 1.0), 0.0)
+    pull = scale.unsqueeze(-1) * diff
+    grad_query = pull.sum(dim=1) if needs[0] else None
+    grad_ref = None
+    if needs[1]:
+        grad_ref = torch.zeros_like(p_ref).index_add(
+            0, indices.reshape(-1), -pull.reshape(-1, 3)
+        )
+    return grad_query, grad_ref
+
+
+def knn_aggregate_backward(
+    grad_out: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    feats: torch.Tensor,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    sigma: float,
+    needs: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The clouds' gradients of ``out[q] = sum_j weights[q, j] * feats[indices[q, j]]``
+    with ``weights = softmax(-distances / sigma)`` over each row: through the softmax
+    into the distances, then :func:`distance_backward`.
+
+    Args:
+        grad_out: ``(M, F)``, the output's gradient.
+        grad_weights: ``(M, k)`` gradient of the weights where the operator returns them
+            and a caller used them (``None`` otherwise).
+        weights, indices: ``(M, k)`` float32 and int64, as the forward returned them.
+        feats: ``(N, F)``; p_query, p_ref: ``(M, 3)``, ``(N, 3)``.
+    """
+    # d loss / d weights[q, j] = <grad_out[q], feats[indices[q, j]]> (+ grad_weights)
+    upstream = (grad_out.unsqueeze(1) * feats[indices]).sum(dim=-1).to(weights.dtype)
+    if grad_weights is not None:
+        upstream = upstream + grad_weights
+    centred = upstream - (weights * upstream).sum(dim=1, keepdim=True)
+    grad_distances = -(weights / sigma) * centred
+    return distance_backward(grad_distances, p_query, p_ref, indices, needs)
+
+
+def register_knn_autograd(op: str) -> None:
+    """Give the search operator ``op`` (inputs ``p_query, p_ref, k, ...``, outputs
+    ``(distances, indices)``) the gradient of its distances with respect to both clouds
+    (chapter 6): the indices carry none."""
+
+    def setup_context(ctx, inputs, output):
+        p_query, p_ref, *_ = inputs
+        _, indices = output
+        ctx.save_for_backward(p_query, p_ref, indices)
+        ctx.mark_non_differentiable(indices)
+
+    def backward(ctx, grad_distances, _grad_indices):
+        p_query, p_ref, indices = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:2])
+        grads = distance_backward(grad_distances, p_query, p_ref, indices, needs)
+        return *grads, *(None,) * (len(ctx.needs_input_grad) - 2)
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+
+def _named(p_query: torch.Tensor, p_ref: torch.Tensor) -> list[str]:
+    return [n for n, t in (("p_query", p_query), ("p_ref", p_ref)) if wants_grad(t)]
+
+
+def refuse_position_grads(
+    op: str,
+    backend: str,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    others: Iterable[str] = (),
+) -> None:
+    """Raise when ``p_query`` or ``p_ref`` requires grad (and grad mode is on): backend
+    ``backend`` has no gradient of ``op`` with respect to positions; ``others`` are the
+    backends that have one."""
+    named = _named(p_query, p_ref)
+    if not named:
+        return
+    which = " and ".join(named)
+    verb = "require" if len(named) > 1 else "requires"
+    alternatives = " or ".join(f"'{b}'" for b in others)
+    use = f"use backend {alternatives} or detach it" if alternatives else "detach it"
+    raise ValueError(
+        f"{which} {verb} grad; backend '{backend}' has no gradient of {op} with "
+        f"respect to positions: {use}"
+    )
+
