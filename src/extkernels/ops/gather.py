@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["softmax_gather"]
+__all__ = ["scatter", "softmax_gather"]
 
 
 def softmax_gather(
@@ -32,3 +32,16 @@ def softmax_gather(
     """
     weights = torch.softmax(-distances.to(feats.dtype) / sigma, dim=1)
     return (weights.unsqueeze(-1) * feats[indices]).sum(dim=1)
+
+
+def scatter(
+    grad_out: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, n_ref: int
+) -> torch.Tensor:
+    """The gather's adjoint in PyTorch: ``grad[indices[q, j]] += weights[q, j] *
+    grad_out[q]``, ``(n_ref, F)``. Differentiable in ``grad_out`` and ``weights``: the
+    backends' backwards take it instead of their kernels when autograd records the
+    backward itself (``create_graph=True``)."""
+    m, k = weights.shape
+    rows = (weights.unsqueeze(-1) * grad_out.unsqueeze(1)).reshape(m * k, -1)
+    grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))
+    return grad.index_add(0, indices.reshape(-1), rows.to(grad.dtype))

@@ -18,9 +18,11 @@ operation out of its ``position_grads`` (:class:`~extkernels.ops.registry.Backen
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+
+from .gather import scatter
 
 __all__ = [
     "distance_backward",
@@ -28,6 +30,7 @@ __all__ = [
     "neighbour_distances",
     "pairwise_distances",
     "refuse_position_grads",
+    "register_knn_aggregate_autograd",
     "register_knn_autograd",
     "safe_norm",
     "with_position_grads",
@@ -151,6 +154,47 @@ def register_knn_autograd(op: str) -> None:
         needs = tuple(ctx.needs_input_grad[:2])
         grads = distance_backward(grad_distances, p_query, p_ref, indices, needs)
         return *grads, *(None,) * (len(ctx.needs_input_grad) - 2)
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+
+def register_knn_aggregate_autograd(op: str, scatter_kernel: Callable) -> None:
+    """Give the kNN aggregation operator ``op`` (inputs ``p_query, p_ref, feats, k,
+    sigma, ...``, outputs ``(out, weights, indices)``) its autograd formula: the
+    features' gradient by ``scatter_kernel(grad_out, weights, indices, n_ref)`` (the
+    gather's adjoint, ``(N, F)``), the clouds' through the weights
+    (:func:`knn_aggregate_backward`). A backward that autograd records
+    (``create_graph=True``) scatters in PyTorch instead, so that it can be
+    differentiated again."""
+
+    def setup_context(ctx, inputs, output):
+        p_query, p_ref, feats, _, sigma, *_ = inputs
+        _, weights, indices = output
+        ctx.save_for_backward(p_query, p_ref, feats, weights, indices)
+        ctx.mark_non_differentiable(indices)
+        ctx.sigma = sigma
+
+    def backward(ctx, grad_out, grad_weights, _grad_indices):
+        p_query, p_ref, feats, weights, indices = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_feats = grad_query = grad_ref = None
+        if needs[2]:
+            adjoint = scatter if torch.is_grad_enabled() else scatter_kernel
+            grad_feats = adjoint(grad_out, weights, indices, p_ref.shape[0])
+        if needs[0] or needs[1]:
+            grad_query, grad_ref = knn_aggregate_backward(
+                grad_out,
+                grad_weights,
+                weights,
+                indices,
+                feats,
+                p_query,
+                p_ref,
+                ctx.sigma,
+                (needs[0], needs[1]),
+            )
+        others = (None,) * (len(needs) - 3)  # k, sigma, any options
+        return grad_query, grad_ref, grad_feats, *others
 
     torch.library.register_autograd(op, backward, setup_context=setup_context)
 

@@ -76,6 +76,7 @@ BACKEND = register(
         },
         chapter=9,
         toolchain="nvcc and a C++ compiler; compiled once per machine",
+        position_grads=("knn", "knn_aggregate"),
         prepare=prepare,
     )
 )

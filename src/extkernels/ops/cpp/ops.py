@@ -1,5 +1,5 @@
 """The C++ operators' Python half (chapter 9): the library is built and loaded, then
-the fake implementations and the autograd formula are registered on operators whose
+the fake implementations and the autograd formulas are registered on operators whose
 schemas and kernels live in C++ (``csrc/knn.cpp``, ``csrc/knn_cuda.cu``).
 
 The fakes run the same checks of metadata as the C++ kernels (they raise the same
@@ -10,7 +10,7 @@ the ``set_value_checks`` operator.
 
 import torch
 
-from .. import checks
+from .. import checks, positions
 from ..checks import check_index_limit, check_knn, check_knn_aggregate
 from . import build
 
@@ -100,31 +100,19 @@ def _gather_fake(weights, indices, feats, vector_loads=False):
 def register_knn_autograd(op: str) -> None:
     """Give the kNN aggregation operator ``op`` its autograd formula (chapter 9; chapter
     11's fused operator registers the same one). Its forward returns ``(out, weights,
-    indices)``: ``setup_context`` keeps the softmax weights ``(M, k)`` float32 and the
-    neighbours ``(M, k)`` int64, and the backward scatters ``grad_out`` ``(M, F)``
-    through them into the features' gradient ``(N, F)`` with
-    ``extkernels_cpp::knn_aggregate_bwd``. Only ``feats``, the third input, gets one."""
+    indices)``; the backward scatters ``grad_out`` ``(M, F)`` through the weights and
+    indices into the features' gradient ``(N, F)`` with
+    ``extkernels_cpp::knn_aggregate_bwd``, and the clouds' gradients come through the
+    weights (:func:`~extkernels.ops.positions.register_knn_aggregate_autograd`)."""
 
-    def setup_context(ctx, inputs, output):
-        _, p_ref, *_ = inputs
-        _, weights, indices = output
-        ctx.save_for_backward(weights, indices)
-        ctx.n_ref = p_ref.shape[0]
+    def scatter(grad_out, weights, indices, n_ref):
+        return _ops.knn_aggregate_bwd(grad_out.contiguous(), weights, indices, n_ref)
 
-    def backward(ctx, grad_out, _grad_weights, _grad_indices):
-        weights, indices = ctx.saved_tensors
-        grad_feats = None
-        if ctx.needs_input_grad[2]:
-            grad_feats = _ops.knn_aggregate_bwd(
-                grad_out.contiguous(), weights, indices, ctx.n_ref
-            )
-        others = (None,) * (len(ctx.needs_input_grad) - 3)  # k, sigma, any options
-        return None, None, grad_feats, *others
-
-    torch.library.register_autograd(op, backward, setup_context=setup_context)
+    positions.register_knn_aggregate_autograd(op, scatter)
 
 
 register_knn_autograd("extkernels_cpp::knn_aggregate_fwd")
+positions.register_knn_autograd("extkernels_cpp::knn")
 
 
 def knn(p_query, p_ref, k):

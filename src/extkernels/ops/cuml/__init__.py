@@ -1,8 +1,9 @@
 """The ``cuml`` backend: RAPIDS cuML's nearest-neighbour search (chapter 3), CUDA only.
 
 The backend registers only its search; ``knn_aggregate`` is the registry's derived one,
-with PyTorch's differentiable gather after the search (neither distances nor indices
-need a gradient). ``as_op=False`` calls cuML directly instead of through
+with PyTorch's differentiable gather after the search. The distances differentiate with
+respect to both clouds; the indices are cuML's, and so is their order among points at
+equal distance (every other backend takes the lowest reference index first). ``as_op=False`` calls cuML directly instead of through
 ``torch.ops.cuml.knn``; ``algorithm`` picks cuML's search (``rbc`` unless told
 otherwise).
 """
@@ -65,6 +66,7 @@ BACKEND = register(
         knn=knn,
         operators={"knn": "cuml::knn"},
         chapter=3,
+        position_grads=("knn",),
         toolchain="the RAPIDS wheels (cuML, RMM, CuPy)",
     )
 )

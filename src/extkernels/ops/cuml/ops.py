@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import positions
 from ..checks import check_knn
 from ..registry import CUDAGRAPH_UNSAFE
 
@@ -103,7 +104,7 @@ def exact_distances(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distances to the found neighbours from coordinate differences, ascending along
     each row, with the indices in the same order."""
-    d = (p_query[:, None, :] - p_ref[indices]).norm(dim=-1)
+    d = positions.neighbour_distances(p_query, p_ref, indices)
     d, order = d.sort(dim=1)
     return d, indices.gather(1, order)
 
@@ -173,3 +174,8 @@ def knn_fake(
     check_algorithm(algorithm)
     m = p_query.shape[0]
     return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
+# The distances differentiate with respect to both clouds, the neighbours held fixed
+# (chapter 6's formula): cuML's neighbours, whose order of ties is cuML's own.
+positions.register_knn_autograd("cuml::knn")

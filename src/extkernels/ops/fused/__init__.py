@@ -158,5 +158,6 @@ BACKEND = register(
         chapter=11,
         toolchain=cpp.BACKEND.toolchain,  # chapter 9's
         prepare=prepare,
+        position_grads=("knn", "knn_aggregate"),
     )
 )

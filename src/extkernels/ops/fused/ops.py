@@ -11,7 +11,7 @@ walks the same grid without building it again.
 
 import torch
 
-from .. import checks
+from .. import checks, positions
 from ..checks import (
     check_buffer,
     check_index_limit,
@@ -128,6 +128,7 @@ def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
 
 # The forward returns chapter 9's (out, weights, indices): its backward is chapter 9's.
 cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_fwd")
+positions.register_knn_autograd("extkernels_fused::knn")
 
 
 @torch.library.register_fake("extkernels_fused::radius_aggregate_fwd")

@@ -24,8 +24,8 @@ def available() -> bool:
 
 
 def _knn_aggregate(p_query, p_ref, feats, k, sigma):
-    with torch.no_grad():
-        distances, indices = lookup("knn", "cpp", p_query.device)(p_query, p_ref, k)
+    # chapter 9's search, whose distances differentiate with respect to both clouds
+    distances, indices = lookup("knn", "cpp", p_query.device)(p_query, p_ref, k)
     weights = torch.softmax(-distances / sigma, dim=1)
     return torch.ops.extkernels_ptx.gather(weights, indices, feats)
 
@@ -37,6 +37,7 @@ BACKEND = register(
         knn_aggregate=_knn_aggregate,
         chapter=10,
         toolchain="pyptx",
+        position_grads=("knn_aggregate",),
     )
 )
 

@@ -27,6 +27,7 @@ from ..checks import (
     check_same_device,
     values_checked,
 )
+from ..gather import scatter as torch_scatter
 from . import kernels
 
 __all__ = [
@@ -220,14 +221,17 @@ def gather_setup_context(ctx, inputs, output):
 
 def gather_backward(ctx, grad_out):
     """``feats`` by the scatter; ``weights`` (when they need it) by PyTorch:
-    ``grad_weights[q, j] = <grad_out[q], feats[indices[q, j]]>`` (chapter 10)."""
+    ``grad_weights[q, j] = <grad_out[q], feats[indices[q, j]]>`` (chapter 10). A
+    backward that autograd records (``create_graph=True``) scatters in PyTorch, so that
+    it can be differentiated again."""
     weights, indices, feats = ctx.saved_tensors
     grad_out = grad_out.contiguous()
     grad_weights = grad_feats = None
     if ctx.needs_input_grad[0]:
         grad_weights = (grad_out.unsqueeze(1) * feats[indices]).sum(dim=-1)
     if ctx.needs_input_grad[2]:
-        grad_feats = scatter(grad_out, weights, indices, ctx.n_ref)
+        adjoint = torch_scatter if torch.is_grad_enabled() else scatter
+        grad_feats = adjoint(grad_out, weights, indices, ctx.n_ref)
     return grad_weights, None, grad_feats
 
 

@@ -47,6 +47,7 @@ BACKEND = register(
         },
         chapter=8,
         toolchain="PyTorch only (Triton ships with it)",
+        position_grads=("knn", "knn_aggregate"),
     )
 )
 

@@ -17,6 +17,7 @@ import triton
 from torch.library import wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
+from .. import positions
 from ..checks import (
     alert_not_deterministic,
     check_index_limit,
@@ -276,28 +277,12 @@ def knn_aggregate_bwd_op(
     return grad
 
 
-def knn_aggregate_setup_context(ctx, inputs, output):
-    """Keeps what the backward needs: the weights and indices (chapter 8)."""
-    _, p_ref, _, _, _ = inputs
-    _, weights, indices = output
-    ctx.save_for_backward(weights, indices)
-    ctx.n_ref = p_ref.shape[0]
-
-
-def knn_aggregate_backward(ctx, grad_out, _grad_weights, _grad_indices):
-    """The gradient of the features by the scatter; none for the clouds (chapter 8)."""
-    weights, indices = ctx.saved_tensors
-    grad_feats = None
-    if ctx.needs_input_grad[2]:
-        grad_feats = torch.ops.triton_knn.knn_aggregate_bwd(
-            grad_out.contiguous(), weights, indices, ctx.n_ref
-        )
-    return None, None, grad_feats, None, None
-
-
-knn_aggregate_fwd_op.register_autograd(
-    knn_aggregate_backward, setup_context=knn_aggregate_setup_context
+# The features' gradient by the scatter kernel, the clouds' through the weights
+# (chapter 8); the search's distances differentiate with respect to both clouds.
+positions.register_knn_aggregate_autograd(
+    "triton_knn::knn_aggregate_fwd", torch.ops.triton_knn.knn_aggregate_bwd
 )
+positions.register_knn_autograd("triton_knn::knn")
 
 
 def knn_aggregate(p_query, p_ref, feats, k, sigma):
