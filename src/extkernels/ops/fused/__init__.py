@@ -21,7 +21,7 @@ library is built just in time like chapter 9's (:mod:`~.build`).
 import torch
 
 from .. import checks, cpp
-from ..registry import Backend, register
+from ..registry import OPERATIONS, Backend, register
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
 __all__ = [
@@ -158,6 +158,6 @@ BACKEND = register(
         chapter=11,
         toolchain=cpp.BACKEND.toolchain,  # chapter 9's
         prepare=prepare,
-        position_grads=("knn", "knn_aggregate"),
+        position_grads=OPERATIONS,
     )
 )

@@ -57,7 +57,8 @@ def defines() -> list[str]:
 def sources(cuda: bool) -> list[Path]:
     """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
     files = [CSRC / "fused.cpp"]
-    return files + [CSRC / "fused_cuda.cu", CSRC / "tree_cuda.cu"] if cuda else files
+    cuda_files = ["fused_cuda.cu", "tree_cuda.cu", "positions_cuda.cu"]
+    return files + [CSRC / name for name in cuda_files] if cuda else files
 
 
 @functools.cache

@@ -6,7 +6,8 @@ The kNN aggregation's backward is chapter 9's scatter
 (``extkernels_cpp::knn_aggregate_bwd``). The radius aggregation's forward returns,
 beside its output, each query's total weight and the grid it built (sorted points,
 cell starts and the grid's parameters as bytes); they are saved for the backward, which
-walks the same grid without building it again.
+walks the same grid without building it again, for the features' gradient and, when
+the clouds require grad, for theirs (``extkernels_fused::radius_positions_bwd``).
 """
 
 import torch
@@ -169,20 +170,45 @@ def _radius_aggregate_bwd_fake(
     return grad_out.new_empty((grid_ref.shape[0], grad_out.shape[1]))
 
 
+@torch.library.register_fake("extkernels_fused::radius_positions_bwd")
+def _radius_positions_bwd_fake(
+    grad_out, out, feats, p_query, totals, grid_ref, grid_start, grid_params, radius, sigma
+):
+    return p_query.new_empty((p_query.shape[0], 3)), p_query.new_empty(
+        (grid_ref.shape[0], 3)
+    )
+
+
 def _radius_setup_context(ctx, inputs, output):
-    p_query, _, _, radius, sigma, warp = inputs
-    _, totals, grid_ref, grid_start, grid_params = output
-    ctx.save_for_backward(p_query, totals, grid_ref, grid_start, grid_params)
+    p_query, p_ref, feats, radius, sigma, warp = inputs
+    out, totals, grid_ref, grid_start, grid_params = output
+    ctx.save_for_backward(p_query, feats, out, totals, grid_ref, grid_start, grid_params)
+    ctx.mark_non_differentiable(totals, grid_ref, grid_start, grid_params)
     ctx.radius, ctx.sigma, ctx.warp = radius, sigma, warp
 
 
 def _radius_backward(ctx, grad_out, *_grad_saved):
-    grad_feats = None
-    if ctx.needs_input_grad[2]:
-        grad_feats = _ops.radius_aggregate_bwd(
-            grad_out.contiguous(), *ctx.saved_tensors, ctx.radius, ctx.sigma, ctx.warp
+    p_query, feats, out, *grid = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if torch.is_grad_enabled() and any(needs[:3]):
+        raise RuntimeError(
+            "radius_aggregate: backend 'fused' has no second-order gradient (its "
+            "backward is made of kernels without a formula of their own): use backend "
+            "'torch' for create_graph=True"
         )
-    return None, None, grad_feats, None, None, None
+    grad_out = grad_out.contiguous()
+    grad_query = grad_ref = grad_feats = None
+    if needs[2]:
+        grad_feats = _ops.radius_aggregate_bwd(
+            grad_out, p_query, *grid, ctx.radius, ctx.sigma, ctx.warp
+        )
+    if needs[0] or needs[1]:
+        grad_query, grad_ref = _ops.radius_positions_bwd(
+            grad_out, out, feats.contiguous(), p_query, *grid, ctx.radius, ctx.sigma
+        )
+        grad_query = grad_query if needs[0] else None
+        grad_ref = grad_ref if needs[1] else None
+    return grad_query, grad_ref, grad_feats, None, None, None
 
 
 torch.library.register_autograd(

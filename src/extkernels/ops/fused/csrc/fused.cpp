@@ -275,6 +275,47 @@ at::Tensor radius_aggregate_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
   return grad;
 }
 
+// The clouds' gradients of the radius aggregation (radius.h's radius_position_grad):
+// (grad_query (M, 3), grad_ref (N, 3)) float32; serial, since points of different
+// queries collide.
+std::tuple<at::Tensor, at::Tensor> radius_positions_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& feats,
+    const at::Tensor& p_query, const at::Tensor& totals, const at::Tensor& grid_ref,
+    const at::Tensor& grid_start, const at::Tensor& grid_params, double radius,
+    double sigma) {
+  check_radius_positions_backward(grad_out, out, feats, p_query, totals, grid_ref,
+                                  grid_start, grid_params);
+  GridParams g;
+  std::memcpy(&g, grid_params.data_ptr<uint8_t>(), sizeof(GridParams));
+  const int64_t m = p_query.size(0), f = grad_out.size(1), n = grid_ref.size(0);
+  at::Tensor grad_query = at::empty({m, 3}, p_query.options());
+  at::Tensor grad_ref = at::zeros({n, 3}, p_query.options());
+  const float *q = p_query.data_ptr<float>(), *go = grad_out.data_ptr<float>(),
+              *o = out.data_ptr<float>(), *x = feats.data_ptr<float>(),
+              *tot = totals.data_ptr<float>();
+  const auto* ref = reinterpret_cast<const Point4*>(grid_ref.data_ptr<float>());
+  float *gq = grad_query.data_ptr<float>(), *gr = grad_ref.data_ptr<float>();
+  for (int64_t row = 0; row < m; ++row) {
+    const float* g_row = go + row * f;
+    float grad_dot_out = 0.0f;
+    for (int64_t c = 0; c < f; ++c) grad_dot_out += g_row[c] * o[row * f + c];
+    radius_position_grad(
+        q + 3 * row, ref, grid_start.data_ptr<int32_t>(), g, (float)radius,
+        (float)(1.0 / sigma), tot[row], grad_dot_out, gq + 3 * row,
+        [&](int32_t j) {
+          float dot = 0.0f;
+          for (int64_t c = 0; c < f; ++c) dot += g_row[c] * x[(int64_t)j * f + c];
+          return dot;
+        },
+        [&](int32_t j, float px, float py, float pz) {
+          gr[3 * j] += px;
+          gr[3 * j + 1] += py;
+          gr[3 * j + 2] += pz;
+        });
+  }
+  return {grad_query, grad_ref};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(extkernels_fused, m) {
@@ -297,6 +338,11 @@ TORCH_LIBRARY(extkernels_fused, m) {
       "radius_aggregate_bwd(Tensor grad_out, Tensor p_query, Tensor totals,"
       " Tensor grid_ref, Tensor grid_start, Tensor grid_params, float radius,"
       " float sigma, bool warp=True) -> Tensor");
+  // The clouds' gradients: (grad_query (M, 3), grad_ref (N, 3)).
+  m.def(
+      "radius_positions_bwd(Tensor grad_out, Tensor out, Tensor feats, Tensor p_query,"
+      " Tensor totals, Tensor grid_ref, Tensor grid_start, Tensor grid_params,"
+      " float radius, float sigma) -> (Tensor, Tensor)");
   m.def("set_value_checks(bool enabled) -> bool", &set_value_checks);
   // The grid's layout, for the fakes: GridParams' bytes and the cells per point.
   m.def("grid_layout() -> int[]", []() {
@@ -315,6 +361,7 @@ TORCH_LIBRARY_IMPL(extkernels_fused, CPU, m) {
   m.impl("knn_work", &knn_work_cpu);
   m.impl("radius_aggregate_fwd", &radius_aggregate_fwd_cpu);
   m.impl("radius_aggregate_bwd", &radius_aggregate_bwd_cpu);
+  m.impl("radius_positions_bwd", &radius_positions_bwd_cpu);
 }
 
 }  // namespace extkernels

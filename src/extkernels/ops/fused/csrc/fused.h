@@ -157,4 +157,27 @@ inline void check_radius_backward(const at::Tensor& grad_out, const at::Tensor& 
   check_same_device(p_query, "p_query", grid_params, "grid_params");
 }
 
+// The positions' backward reads the forward's output and the features too, float32.
+inline void check_radius_positions_backward(const at::Tensor& grad_out, const at::Tensor& out,
+                                            const at::Tensor& feats,
+                                            const at::Tensor& p_query,
+                                            const at::Tensor& totals,
+                                            const at::Tensor& grid_ref,
+                                            const at::Tensor& grid_start,
+                                            const at::Tensor& grid_params) {
+  check_radius_backward(grad_out, p_query, totals, grid_ref, grid_start, grid_params);
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == at::kFloat,
+                    msg("grad_out: expected dtype float32, got ", grad_out.scalar_type()));
+  TORCH_CHECK_VALUE(out.sizes() == grad_out.sizes() && out.scalar_type() == at::kFloat &&
+                        out.is_contiguous(),
+                    msg("out: expected a contiguous float32 tensor of grad_out's shape ",
+                        grad_out.sizes(), ", got ", out.sizes()));
+  TORCH_CHECK_VALUE(feats.dim() == 2 && feats.size(0) == grid_ref.size(0) &&
+                        feats.size(1) == grad_out.size(1) &&
+                        feats.scalar_type() == at::kFloat && feats.is_contiguous(),
+                    msg("feats: expected a contiguous float32 (N, F) tensor with N = ",
+                        grid_ref.size(0), " and F = ", grad_out.size(1), ", got ",
+                        feats.sizes()));
+}
+
 }  // namespace extkernels
