@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import MLP
-from ..ops import checks, fused, knn
+from ..ops import checks, fused, knn, positions
 from . import shards
 
 __all__ = ["sharded_knn", "knn_partial", "radius_partial", "ShardedProjector"]
@@ -110,7 +110,10 @@ def radius_partial(
 
     ``backend="fused"`` takes them from chapter 11's kernel (its output times its
     total weight); ``"torch"`` from a brute force (memory ``M x N``, for checks).
+    The totals carry no gradient, so clouds that require grad are refused.
     """
+    needs = (positions.wants_grad(p_query), positions.wants_grad(p_ref_local))
+    positions.refuse_position_grads("radius_partial", backend, needs)
     if backend == "fused":
         out, total = fused.radius_aggregate_with_totals(
             p_query, p_ref_local, feats_local, radius, sigma

@@ -12,8 +12,9 @@ derivative; its gradient is taken as zero, in the first order and the second, ne
 NaN.
 
 A backend that cannot differentiate an operation with respect to positions leaves the
-operation out of its ``position_grads`` (:class:`~extkernels.ops.registry.Backend`), and
-:func:`~extkernels.ops.registry.check_position_grads` refuses the call at forward time, naming the argument.
+operation out of its ``position_grads`` (:class:`~extkernels.ops.registry.Backend`),
+and :func:`~extkernels.ops.registry.check_position_grads` refuses the call at forward
+time, naming the argument.
 """
 
 from __future__ import annotations
@@ -199,21 +200,19 @@ def register_knn_aggregate_autograd(op: str, scatter_kernel: Callable) -> None:
     torch.library.register_autograd(op, backward, setup_context=setup_context)
 
 
-def _named(p_query: torch.Tensor, p_ref: torch.Tensor) -> list[str]:
-    return [n for n, t in (("p_query", p_query), ("p_ref", p_ref)) if wants_grad(t)]
-
-
 def refuse_position_grads(
     op: str,
     backend: str,
-    p_query: torch.Tensor,
-    p_ref: torch.Tensor,
+    needs: tuple[bool, bool],
     others: Iterable[str] = (),
 ) -> None:
-    """Raise when ``p_query`` or ``p_ref`` requires grad (and grad mode is on): backend
-    ``backend`` has no gradient of ``op`` with respect to positions; ``others`` are the
-    backends that have one."""
-    named = _named(p_query, p_ref)
+    """Raise when ``needs`` (whether ``p_query`` and ``p_ref`` require grad) holds a
+    True: backend ``backend`` has no gradient of ``op`` with respect to positions;
+    ``others`` are the backends that have one. The entry points call it at forward time
+    (:func:`~extkernels.ops.registry.check_position_grads`), and so does the
+    ``setup_context`` of an operator without that gradient, with
+    ``ctx.needs_input_grad[:2]``."""
+    named = [n for n, need in zip(("p_query", "p_ref"), needs, strict=True) if need]
     if not named:
         return
     which = " and ".join(named)
@@ -224,4 +223,3 @@ def refuse_position_grads(
         f"{which} {verb} grad; backend '{backend}' has no gradient of {op} with "
         f"respect to positions: {use}"
     )
-

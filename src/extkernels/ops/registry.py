@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .gather import softmax_gather
-from .positions import refuse_position_grads
+from .positions import refuse_position_grads, wants_grad
 
 __all__ = [
     "OPERATIONS",
@@ -242,4 +242,5 @@ def check_position_grads(
         for b in _BACKENDS.values()
         if op in b.position_grads and b.runs_on(p_query.device.type)
     ]
-    refuse_position_grads(op, name, p_query, p_ref, others)
+    needs = (wants_grad(p_query), wants_grad(p_ref))
+    refuse_position_grads(op, name, needs, others)

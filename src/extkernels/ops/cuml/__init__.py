@@ -3,9 +3,9 @@
 The backend registers only its search; ``knn_aggregate`` is the registry's derived one,
 with PyTorch's differentiable gather after the search. The distances differentiate with
 respect to both clouds; the indices are cuML's, and so is their order among points at
-equal distance (every other backend takes the lowest reference index first). ``as_op=False`` calls cuML directly instead of through
-``torch.ops.cuml.knn``; ``algorithm`` picks cuML's search (``rbc`` unless told
-otherwise).
+equal distance (every other backend takes the lowest reference index first).
+``as_op=False`` calls cuML directly instead of through ``torch.ops.cuml.knn``;
+``algorithm`` picks cuML's search (``rbc`` unless told otherwise).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ library is built just in time like chapter 9's (:mod:`~.build`).
 
 import torch
 
-from .. import checks, cpp
+from .. import checks, cpp, positions
 from ..registry import OPERATIONS, Backend, register
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
@@ -134,8 +134,11 @@ def radius_aggregate_with_totals(
     """The radius aggregation ``(M, F)`` and each query's total weight ``(M,)``, the
     sum of ``exp(-distance / sigma)`` over its neighbours (0 for none): ``out *
     total`` is the unnormalised sum, which shards of a cloud add up (chapter 13).
-    Differentiable in ``feats``; the totals carry no gradient."""
+    Differentiable in ``feats``; the totals carry no gradient, so clouds that require
+    grad are refused."""
     radius, sigma = checks.check_radius_aggregate(p_query, p_ref, feats, radius, sigma)
+    needs = (positions.wants_grad(p_query), positions.wants_grad(p_ref))
+    positions.refuse_position_grads("radius_aggregate_with_totals", "fused", needs)
     _check_queries("radius_aggregate", p_query)
     out, totals, *_ = checks.call_checked(
         _call, "radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp

@@ -172,7 +172,16 @@ def _radius_aggregate_bwd_fake(
 
 @torch.library.register_fake("extkernels_fused::radius_positions_bwd")
 def _radius_positions_bwd_fake(
-    grad_out, out, feats, p_query, totals, grid_ref, grid_start, grid_params, radius, sigma
+    grad_out,
+    out,
+    feats,
+    p_query,
+    totals,
+    grid_ref,
+    grid_start,
+    grid_params,
+    radius,
+    sigma,
 ):
     return p_query.new_empty((p_query.shape[0], 3)), p_query.new_empty(
         (grid_ref.shape[0], 3)
@@ -182,7 +191,9 @@ def _radius_positions_bwd_fake(
 def _radius_setup_context(ctx, inputs, output):
     p_query, p_ref, feats, radius, sigma, warp = inputs
     out, totals, grid_ref, grid_start, grid_params = output
-    ctx.save_for_backward(p_query, feats, out, totals, grid_ref, grid_start, grid_params)
+    ctx.save_for_backward(
+        p_query, feats, out, totals, grid_ref, grid_start, grid_params
+    )
     ctx.mark_non_differentiable(totals, grid_ref, grid_start, grid_params)
     ctx.radius, ctx.sigma, ctx.warp = radius, sigma, warp
 

@@ -73,7 +73,8 @@ def knn(
         p_ref; the distances differentiable in both clouds.
     """
     with torch.no_grad():
-        parts = [_nearest(_distances(q, p_ref), k) for q in _chunks(p_query, chunk_size)]
+        queries = _chunks(p_query, chunk_size)
+        parts = [_nearest(_distances(q, p_ref), k) for q in queries]
     if len(parts) == 1:
         distances, indices = parts[0]
     else:

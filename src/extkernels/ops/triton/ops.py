@@ -46,8 +46,6 @@ __all__ = [
     "launch_knn_aggregate",
     "knn_aggregate_fwd_op",
     "knn_aggregate_bwd_op",
-    "knn_aggregate_setup_context",
-    "knn_aggregate_backward",
     "knn_aggregate",
     "gather",
 ]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..checks import alert_not_deterministic, check_grad_out, check_radius_aggregate
+from ..positions import refuse_position_grads
 from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, Entry, entry_key
 from .interop import Where, descriptor, launch, where
@@ -345,6 +346,9 @@ def backward_fake(grad_out, p_query, p_ref, feats, radius, sigma):
 def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     """What both forward operators keep for their backward (chapter 6)."""
     p_query, p_ref, feats, radius, sigma = inputs
+    # The kernels differentiate the features only: a cloud that asks for a gradient is
+    # refused here, at forward time, rather than left without one.
+    refuse_position_grads("radius_aggregate", "warp", ctx.needs_input_grad[:2])
     # Tensors for the backward; the hash grid is not among them (it waits in the pool).
     ctx.save_for_backward(p_query, p_ref, feats)
     ctx.radius, ctx.sigma = radius, sigma
@@ -363,8 +367,7 @@ def attach_backward(forward_op: Any, backward_op: Any) -> None:
             grad_feats = backward_op(
                 grad_out.contiguous(), p_query, p_ref, feats, ctx.radius, ctx.sigma
             )
-        # Coordinates get no gradient: the weights are a function of geometry only, as
-        # in the torch reference, which computes them under no_grad.
+        # The clouds need none: setup_context refused them.
         return None, None, grad_feats, None, None
 
     torch.library.register_autograd(forward_op, formula, setup_context=setup_context)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..checks import check_grad_out, check_radius_aggregate, check_same_device
+from ..positions import refuse_position_grads
 from .grids import POOL, entry_key
 from .interop import where
 from .ops import TAGS, backward, launch_online, new_entry
@@ -119,6 +120,7 @@ def _backward_saved_fake(grad_out, p_query, p_ref, feats, norms, radius, sigma):
 def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     """What ``warp::radius_aggregate_saved`` keeps for its backward (chapter 6)."""
     p_query, p_ref, feats, radius, sigma = inputs
+    refuse_position_grads("radius_aggregate", "warp", ctx.needs_input_grad[:2])
     _, norms = output
     # The plain way: the normalisers are an output, kept by autograd with the inputs.
     ctx.save_for_backward(p_query, p_ref, feats, norms)
