@@ -158,9 +158,15 @@ EK_HD Point4 load_point(const Point4* points, int64_t j) {
 #endif
 }
 
-// The k best (squared distance, index) pairs, sorted ascending, in at most KMAX slots.
-// Every loop is unrolled over the compile-time KMAX, so that on a GPU the list lives
-// in registers (an array indexed by a run-time value would live in local memory).
+// Whether the pair (da, ia) comes before (db, ib): the nearer first, and of two at equal
+// distance the lower reference index, on every backend of the book.
+EK_HD bool before(float da, int32_t ia, float db, int32_t ib) {
+  return da < db || (da == db && (uint32_t)ia < (uint32_t)ib);
+}
+
+// The k best (squared distance, index) pairs, sorted by before(), in at most KMAX
+// slots. Every loop is unrolled over the compile-time KMAX, so that on a GPU the list
+// lives in registers (an array indexed by a run-time value would live in local memory).
 template <int KMAX>
 struct TopK {
   float d[KMAX];
@@ -181,14 +187,20 @@ struct TopK {
     for (int s = 0; s < KMAX; ++s) w = s == k - 1 ? d[s] : w;
     return w;
   }
+  EK_HD int32_t worst_index() const {  // its index (-1, the last of all, until then)
+    int32_t w = -1;
+#pragma unroll
+    for (int s = 0; s < KMAX; ++s) w = s == k - 1 ? i[s] : w;
+    return w;
+  }
   EK_HD bool full() const { return worst() < INFINITY; }
   EK_HD void push(float dist, int32_t index) {
-    if (!(dist < worst())) return;
-    bool placed = false;  // insertion from the top: shift larger entries up one slot
+    if (!before(dist, index, worst(), worst_index())) return;
+    bool placed = false;  // insertion from the top: shift later entries up one slot
 #pragma unroll
     for (int s = KMAX - 1; s >= 0; --s) {
       if (s < k && !placed) {
-        if (s > 0 && d[s - 1] > dist) {
+        if (s > 0 && before(dist, index, d[s - 1], i[s - 1])) {
           d[s] = d[s - 1];
           i[s] = i[s - 1];
         } else {

@@ -192,19 +192,26 @@ __device__ __forceinline__ unsigned group_mask() {
   }
 }
 
-// The smallest head of the group's sorted lists; the lowest lane holding it pops it.
-// Returns the popped distance in every lane, and with INDEX its row in `index`.
+// The first head of the group's sorted lists (the nearest, of equal ones the lowest
+// index: grid.h's before); the lane holding it pops it. Returns the popped distance in
+// every lane, and with INDEX its row in `index`.
 template <int KMAX, int LANES, bool INDEX>
 __device__ __forceinline__ float pop_smallest(float (&d)[KMAX], int32_t (&i)[KMAX],
                                               unsigned mask, int32_t& index) {
   float smallest = d[0];
+  int32_t first = i[0];
 #pragma unroll
   for (int o = LANES / 2; o > 0; o /= 2) {
-    smallest = fminf(smallest, __shfl_xor_sync(mask, smallest, o, LANES));
+    const float other = __shfl_xor_sync(mask, smallest, o, LANES);
+    const int32_t other_index = __shfl_xor_sync(mask, first, o, LANES);
+    if (before(other, other_index, smallest, first)) {
+      smallest = other;
+      first = other_index;
+    }
   }
-  const unsigned holders = __ballot_sync(mask, d[0] == smallest);
+  const unsigned holders = __ballot_sync(mask, d[0] == smallest && i[0] == first);
   const int winner = holders ? __ffs(holders) - 1 : 0;
-  if (INDEX) index = __shfl_sync(mask, i[0], winner, LANES);
+  if (INDEX) index = first;
   if ((int)(threadIdx.x & 31u) == winner && holders) {
 #pragma unroll
     for (int s = 0; s < KMAX - 1; ++s) {
@@ -259,7 +266,8 @@ __global__ void __launch_bounds__(kThreads)
         const Point4 p = load_point(ref, j);
         const float dx = qp[0] - p.x, dy = qp[1] - p.y, dz = qp[2] - p.z;
         const float d2 = dx * dx + dy * dy + dz * dz;
-        if (d2 < kth) best.push(d2, p.index);  // not better than the group's k-th: out
+        // Farther than the group's k-th: out (as far may still win a tie by its index).
+        if (d2 <= kth) best.push(d2, p.index);
       }
     });
     if constexpr (LANES == 1) {

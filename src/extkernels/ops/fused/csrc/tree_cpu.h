@@ -126,7 +126,8 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
   std::pair<float, int64_t> children[kFanout];
   while (top > 0) {
     const TreeEntry e = stack[--top];
-    if (!(e.d2 < best.worst())) continue;  // nothing in it can be better
+    // Nothing in it can be better (a box as far as the k-th may hold a tie of lower index).
+    if (e.d2 > best.worst()) continue;
     const int level = e.key % kMaxLevels;
     const int64_t node = e.key / kMaxLevels;
     const int64_t first = node * kFanout;
@@ -140,13 +141,13 @@ void tree_search_cpu(const float* q, const Tree& t, TopK<KMAX>& best, Work* work
     int kept = 0;
     for (int64_t c = first; c < end; ++c) {
       const float d2 = box_dist2(q, below[c]);
-      if (d2 < kth) children[kept++] = {d2, c};
+      if (d2 <= kth) children[kept++] = {d2, c};
     }
     if (work) work->boxes += end - first;
     std::sort(children, children + kept);
     if (level == 1) {  // leaves: tested at once, nearest first (as the GPU's warp does)
       for (int s = 0; s < kept; ++s) {
-        if (children[s].first < best.worst()) test_leaf(children[s].second);
+        if (children[s].first <= best.worst()) test_leaf(children[s].second);
       }
       continue;
     }

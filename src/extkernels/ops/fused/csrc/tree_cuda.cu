@@ -292,14 +292,21 @@ __device__ __forceinline__ void bitonic_sort(float& key, int32_t& val, int lane)
   }
 }
 
+// Whether a point or box at squared distance d2 may hold a neighbour, given the k-th best
+// kth: nearer, or as near (a tie goes to the lower index, which may be inside), never
+// when nothing is there (infinity).
+__device__ __forceinline__ bool admit(float d2, float kth) {
+  return d2 < kth || (d2 == kth && d2 < INFINITY);
+}
+
 // The warp's list of the best S * 32 (squared distance, row), ascending: element e is
 // slot e / 32 of lane e % 32.
 template <int S>
 __device__ __forceinline__ void list_insert(float (&d)[S], int32_t (&id)[S], float c,
                                             int32_t ci, int lane) {
-  int pos = 0;  // after the entries at most as far: the order of TopK::push (grid.h)
+  int pos = 0;  // after the entries that come before it: the order of TopK::push (grid.h)
 #pragma unroll
-  for (int s = 0; s < S; ++s) pos += __popc(__ballot_sync(kFullWarp, d[s] <= c));
+  for (int s = 0; s < S; ++s) pos += __popc(__ballot_sync(kFullWarp, before(d[s], id[s], c, ci)));
 #pragma unroll
   for (int s = S - 1; s >= 0; --s) {
     float up = __shfl_up_sync(kFullWarp, d[s], 1);
@@ -358,10 +365,10 @@ template <int S>
 __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
                                             int32_t (&id)[S], float& kth, float cap,
                                             int k, int lane) {
-  unsigned better = __ballot_sync(kFullWarp, pd < kth);
+  unsigned better = __ballot_sync(kFullWarp, admit(pd, kth));
   if (S == 1 && __popc(better) > kInsertLimit) {
-    float c = pd < kth ? pd : INFINITY;
-    int32_t ci = pd < kth ? pi : -1;
+    float c = admit(pd, kth) ? pd : INFINITY;
+    int32_t ci = admit(pd, kth) ? pi : -1;
     bitonic_sort(c, ci, lane);
     // The 32 best of both: the list against the candidates in reverse, then sorted.
     const float r = __shfl_sync(kFullWarp, c, 31 - lane);
@@ -378,7 +385,7 @@ __device__ __forceinline__ void take_better(float pd, int32_t pi, float (&d)[S],
     const int src = __ffs(better) - 1;
     const float c = __shfl_sync(kFullWarp, pd, src);
     const int32_t ci = __shfl_sync(kFullWarp, pi, src);
-    if (c < kth) {
+    if (admit(c, kth)) {
       list_insert<S>(d, id, c, ci, lane);
       kth = fminf(cap, list_get<S>(d, k - 1));
     }
@@ -424,7 +431,7 @@ __device__ __forceinline__ void test_leaves(const float* qp, const Point4* ref,
     float pd = INFINITY;
     int32_t pi = -1;
     // (the first guess's points are in the list already)
-    if (t < total && box < kth && (s < guess || s >= guess + kFanout)) {
+    if (t < total && admit(box, kth) && (s < guess || s >= guess + kFanout)) {
       const Point4 p = load_point(ref, s);
       pd = dist2(qp[0] - p.x, qp[1] - p.y, qp[2] - p.z);
       pi = p.index;
@@ -465,7 +472,7 @@ __device__ __forceinline__ bool descend(const float* qp, const Point4* ref,
     if (steps == budget) return false;
     const TreeEntry e = stack[--top];
     __syncwarp();  // every lane has read it before any lane pushes over it
-    if (!(e.d2 < kth)) continue;
+    if (!admit(e.d2, kth)) continue;
     const int level = e.key % kMaxLevels;
     const int64_t node = e.key / kMaxLevels;
     TreeEntry leaf{0, INFINITY};  // lane i: the i-th nearest leaf to test, or none
@@ -477,12 +484,12 @@ __device__ __forceinline__ bool descend(const float* qp, const Point4* ref,
       const int64_t c = node * kFanout + lane;
       float cd = INFINITY;
       if (c < L.count[level - 1]) cd = box_dist2(qp, load_box(nodes, L.offset[level - 1] + c));
-      const unsigned kept = __ballot_sync(kFullWarp, cd < kth);
+      const unsigned kept = __ballot_sync(kFullWarp, admit(cd, kth));
       if (!kept) continue;
       const int n_kept = __popc(kept);
-      float key = cd < kth ? cd : INFINITY;
+      float key = admit(cd, kth) ? cd : INFINITY;
       int32_t child = (int32_t)c;
-      bool mine = cd < kth;
+      bool mine = admit(cd, kth);
       int rank = 0;
       if (n_kept > kRankLimit) {  // many: a sorting network
         bitonic_sort(key, child, lane);
