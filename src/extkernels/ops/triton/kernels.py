@@ -4,8 +4,9 @@ One program takes ``BLOCK_Q`` queries and keeps the ``k`` best of each on chip i
 ``(BLOCK_Q, KP)`` tile (``KP``: ``k`` rounded up to a power of two): a candidate that
 comes before a query's worst kept one replaces it (nearer, or as near with a lower row
 of the reference cloud: ties go to the lowest index, on every backend). Distances come
-from coordinate differences (never the expanded ``|a|^2 - 2 a.b + |b|^2``, which loses digits far from the origin,
-chapter 3). No ``(M, N)`` matrix is ever written. Two walks over the reference cloud:
+from coordinate differences (never the expanded ``|a|^2 - 2 a.b + |b|^2``, which loses
+digits far from the origin, chapter 3). No ``(M, N)`` matrix is ever written. Two walks
+over the reference cloud:
 
 - the **brute force** (``GRID=False``) compares every query with every reference point,
   ``BLOCK_R`` at a time;
