@@ -836,7 +836,7 @@ def test_saved_handover_rejects_bad_options_and_normalisers():
 def test_attach_backward_routes_the_gradient_of_feats_to_the_backward_op():
     # A forward operator of zeros with a stand-in backward: the gradient of feats must
     # be the backward's result, computed from a contiguous output gradient and the
-    # forward's floats; the coordinates get none.
+    # forward's floats; a cloud that asks for a gradient is refused at forward time.
     @torch.library.custom_op("warp_test::attach_backward", mutates_args=())
     def zeros_op(
         p_query: torch.Tensor,
@@ -855,11 +855,13 @@ def test_attach_backward_routes_the_gradient_of_feats_to_the_backward_op():
 
     wops.attach_backward(zeros_op, backward_op)
     p_query, p_ref, feats = problem("cpu")
-    q, f = p_query.clone().requires_grad_(True), feats.clone().requires_grad_(True)
-    zeros_op(q, p_ref, f, RADIUS, SIGMA).sum().backward()  # sum's backward: an expand
+    f = feats.clone().requires_grad_(True)
+    zeros_op(p_query, p_ref, f, RADIUS, SIGMA).sum().backward()  # sum's: an expand
     assert seen == [(True, RADIUS, SIGMA)]
     assert torch.equal(f.grad, torch.full_like(feats, 7.0))
-    assert q.grad is None
+    q = p_query.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="^p_query requires grad; backend 'warp'"):
+        zeros_op(q, p_ref, f, RADIUS, SIGMA)
 
 
 def test_fakes_give_the_shapes_and_check_the_contract():
@@ -888,6 +890,8 @@ def test_launch_online_leaves_the_normalisers_and_forward_keeps_the_grid():
 
 def test_saved_setup_context_keeps_the_normalisers():
     class Ctx:
+        needs_input_grad = (False, False, True, False, False)
+
         def save_for_backward(self, *tensors):
             self.saved = tensors
 

@@ -11,7 +11,14 @@ command runs them).
 
 from . import memory, reference
 from .data import features, query_grid, reference_cloud, targets
-from .models import MLP, FixedGather, KnnAggregation, Projector, RadiusAggregation
+from .models import (
+    MLP,
+    FixedGather,
+    KnnAggregation,
+    Projector,
+    RadiusAggregation,
+    Shifted,
+)
 from .ops import backends, knn, knn_aggregate, radius_aggregate
 from .problem import Problem, problem
 
@@ -23,6 +30,7 @@ __all__ = [
     "KnnAggregation",
     "Problem",
     "Projector",
+    "Shifted",
     "RadiusAggregation",
     "backends",
     "features",

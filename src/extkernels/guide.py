@@ -43,10 +43,10 @@ ROWS = {
 #: Whether the custom operator of a (backend, operation) has an autograd formula, as
 #: its chapter registers it: the guide's words follow it, and the tests check it
 #: against the dispatcher (``tests/test_guide_words.py``).
-#: cuML's operator is only the search: the neighbours need no gradient, and PyTorch's
-#: gather after it carries the features' (chapter 3).
+#: cuML's operator is only the search: its distances differentiate with respect to both
+#: clouds (chapter 8's formula), and PyTorch's gather after it carries the features'.
 AUTOGRAD = {
-    ("cuml", "knn"): False,
+    ("cuml", "knn"): True,
     ("triton", "knn_aggregate"): True,
     ("fused", "knn_aggregate"): True,
     ("fused", "radius_aggregate"): True,

@@ -14,7 +14,14 @@ from torch import nn
 
 from .ops import knn_aggregate, radius_aggregate
 
-__all__ = ["MLP", "KnnAggregation", "RadiusAggregation", "FixedGather", "Projector"]
+__all__ = [
+    "MLP",
+    "KnnAggregation",
+    "RadiusAggregation",
+    "FixedGather",
+    "Projector",
+    "Shifted",
+]
 
 
 class MLP(nn.Sequential):
@@ -130,3 +137,23 @@ class Projector(nn.Module):
     def forward(self, p_query: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
         feats = self.lift(p_ref)
         return self.head(self.aggregation(p_query, p_ref, feats))
+
+
+class Shifted(nn.Module):
+    """``model`` with each cloud moved by a learned offset: ``model(p_query +
+    query_shift, p_ref + ref_shift)``. Its loss depends on the positions themselves, so
+    its training step differentiates the aggregation with respect to both clouds
+    (chapter 6); the benchmark's ``+positions`` variants time that step.
+
+    Shapes:
+        ``forward(p_query (M, 3), p_ref (N, 3))`` as ``model``'s; both offsets ``(3,)``.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.query_shift = nn.Parameter(torch.zeros(3))
+        self.ref_shift = nn.Parameter(torch.zeros(3))
+
+    def forward(self, p_query: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
+        return self.model(p_query + self.query_shift, p_ref + self.ref_shift)

@@ -24,7 +24,7 @@ from .clouds import workload
 from .data import query_grid, reference_cloud, targets
 from .experiments import shipping
 from .memory import use_rmm_pool
-from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation
+from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation, Shifted
 from .ops import backends
 from .problem import Problem
 from .timing import Timing, first_call_seconds, time_projector
@@ -83,6 +83,9 @@ class Variant:
         package: forward passes only, of the model exported and compiled by
             AOTInductor into a package and loaded back with ``aoti_load_package``
             (chapter 15); ``first_call_s`` is the load and the first call.
+        positions: the projector moves both clouds by learned offsets
+            (:class:`~extkernels.models.Shifted`), so that its training step
+            differentiates the aggregation with respect to the positions (chapter 6).
     """
 
     name: str
@@ -101,6 +104,7 @@ class Variant:
     cloud: str = "normal"
     jit: bool = False
     package: bool = False
+    positions: bool = False
 
     @property
     def op(self) -> str:
@@ -149,7 +153,8 @@ class Variant:
                 prob.radius, prob.sigma, self.backend, **self.options
             )
         torch.manual_seed(prob.seed)
-        model = Projector(agg, prob.hidden).to(prob.device)
+        model = Projector(agg, prob.hidden)
+        model = (Shifted(model) if self.positions else model).to(prob.device)
         if self.package:
             return (
                 model,
@@ -242,6 +247,15 @@ VARIANTS: list[Variant] = [
     _compiled(
         "knn/fused+compile+graphs", "fused", 11, graphs=True, inductor=IN_ONE_GRAPH
     ),
+    # the same step differentiated with respect to both clouds (chapter 6's gradient)
+    _compiled(
+        "knn/fused+compile+graphs+positions",
+        "fused",
+        11,
+        graphs=True,
+        inductor=IN_ONE_GRAPH,
+        positions=True,
+    ),
     _compiled("knn/fused+compile+graphs+inductor-defaults", "fused", 11, graphs=True),
     # The same projector on real CAD surfaces queried in the volume around them, and
     # with chapter 11's grid instead of the tree (chapter 14).
@@ -280,6 +294,15 @@ VARIANTS: list[Variant] = [
     Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
     _compiled(
         "radius/fused+compile+graphs", "fused", 11, graphs=True, inductor=IN_ONE_GRAPH
+    ),
+    # the same step differentiated with respect to both clouds (chapter 6's gradient)
+    _compiled(
+        "radius/fused+compile+graphs+positions",
+        "fused",
+        11,
+        graphs=True,
+        inductor=IN_ONE_GRAPH,
+        positions=True,
     ),
     _compiled("radius/fused+compile", "fused", 15),
     Variant("radius/fused+aoti", "radius", "fused", chapter=15, package=True),

@@ -89,6 +89,10 @@ def knn_partial(
 
 
 def _radius_partial_torch(p_query, p_ref, feats, radius, sigma):
+    # The totals carry no gradient (nor do the fused kernel's): clouds that ask are
+    # refused, not left without one.
+    needs = (positions.wants_grad(p_query), positions.wants_grad(p_ref))
+    positions.refuse_position_grads("radius_partial", "torch", needs)
     with torch.no_grad():
         d = (p_query[:, None, :] - p_ref[None, :, :]).norm(dim=-1)
         w = torch.where(d <= radius, torch.exp(-d / sigma), 0.0).to(feats.dtype)
@@ -110,10 +114,7 @@ def radius_partial(
 
     ``backend="fused"`` takes them from chapter 11's kernel (its output times its
     total weight); ``"torch"`` from a brute force (memory ``M x N``, for checks).
-    The totals carry no gradient, so clouds that require grad are refused.
     """
-    needs = (positions.wants_grad(p_query), positions.wants_grad(p_ref_local))
-    positions.refuse_position_grads("radius_partial", backend, needs)
     if backend == "fused":
         out, total = fused.radius_aggregate_with_totals(
             p_query, p_ref_local, feats_local, radius, sigma

@@ -235,12 +235,12 @@ def check_position_grads(
     require grad when the backend cannot differentiate ``op`` with respect to them: no
     position that asked for a gradient ever gets ``None``. The error names the argument
     and the backends here that can."""
-    if op in _BACKENDS[name].position_grads:
+    needs = (wants_grad(p_query), wants_grad(p_ref))
+    if op in _BACKENDS[name].position_grads or not any(needs):
         return
     others = [
         b.name
         for b in _BACKENDS.values()
         if op in b.position_grads and b.runs_on(p_query.device.type)
     ]
-    needs = (wants_grad(p_query), wants_grad(p_ref))
     refuse_position_grads(op, name, needs, others)

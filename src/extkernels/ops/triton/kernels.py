@@ -19,6 +19,8 @@ over the reference cloud:
 import triton
 import triton.language as tl
 
+from .lists import NO_POINT, rows_of, take_better, worst
+
 __all__ = [
     "merge_tile",
     "cube",
@@ -30,7 +32,6 @@ __all__ = [
     "scatter_kernel",
     "next_power_of_2",
     "MAX_INDEX",
-    "NO_POINT",
 ]
 
 next_power_of_2 = triton.next_power_of_2
@@ -76,68 +77,6 @@ def cell_keys_kernel(p_ptr, lo_ptr, hi_ptr, key_ptr, N, G, BLOCK: tl.constexpr):
     tl.store(key_ptr + i, key, mask=i_in)
 
 
-#: The index of no point: larger than every row, so it loses every tie.
-NO_POINT = 2**31 - 1
-
-
-@triton.jit
-def _worst(best_d, best_i):
-    """Each query's worst kept pair (the farthest, of equal ones the highest index):
-    ``(distance, index)``."""
-    worst_d = tl.max(best_d, axis=1)
-    worst_i = tl.max(tl.where(best_d == worst_d[:, None], best_i, -1), axis=1)
-    return worst_d, worst_i
-
-
-@triton.jit
-def _before(d, i, worst_d, worst_i):
-    """Whether ``(d, i)`` comes before ``(worst_d, worst_i)``: nearer, or as near with a
-    lower index (ties go to the lowest reference index, on every backend)."""
-    return (d < worst_d) | ((d == worst_d) & (i < worst_i))
-
-
-@triton.jit
-def _merge_one(d, r, best_d, best_i, cols):
-    """One candidate per query (distance ``d``, index ``r``) into the kept lists, in
-    place of the worst kept one if it comes before it."""
-    worst_d, worst_i = _worst(best_d, best_i)
-    slot = tl.argmax(tl.where(best_d == worst_d[:, None], best_i, -1), axis=1)
-    replace = (cols == slot[:, None]) & _before(d, r, worst_d, worst_i)[:, None]
-    best_d = tl.where(replace, d[:, None], best_d)
-    best_i = tl.where(replace, r[:, None], best_i)
-    return best_d, best_i
-
-
-@triton.jit
-def _rows(r, d, index_ptr, best_d, MAPPED: tl.constexpr):
-    """The rows in the caller's cloud of the candidates ``r`` (positions in ``r_ptr``,
-    distances ``d``): through ``index_ptr`` when ``MAPPED`` (the cloud sorted by cell),
-    read only for candidates as near as a query's worst kept one (the others cannot
-    enter); :data:`NO_POINT` for no candidate."""
-    near = d <= tl.max(best_d, axis=1)[:, None]
-    if MAPPED:
-        rows = tl.load(index_ptr + r, mask=near, other=NO_POINT).to(tl.int32)
-    else:
-        rows = tl.where(near, r, NO_POINT)
-    return tl.where(d < float("inf"), rows, NO_POINT)
-
-
-@triton.jit
-def _take_better(d, rows, best_d, best_i, cols):
-    """The candidates ``(d, rows)`` ``(BLOCK_Q, C)`` that come before a query's worst
-    kept one into its list, the first (nearest, then lowest row) first."""
-    worst_d, worst_i = _worst(best_d, best_i)
-    better = _before(d, rows, worst_d[:, None], worst_i[:, None])
-    rounds = tl.minimum(tl.max(tl.sum(better.to(tl.int32), axis=1)), best_d.shape[1])
-    for _ in range(rounds):
-        first_d = tl.min(d, axis=1)
-        first_i = tl.min(tl.where(d == first_d[:, None], rows, NO_POINT), axis=1)
-        best_d, best_i = _merge_one(first_d, first_i, best_d, best_i, cols)
-        taken = (d == first_d[:, None]) & (rows == first_i[:, None])
-        d = tl.where(taken, float("inf"), d)
-    return best_d, best_i
-
-
 @triton.jit
 def merge_tile(
     qx, qy, qz, r_ptr, index_ptr, start, N, best_d, best_i, cols,
@@ -157,8 +96,9 @@ def merge_tile(
     # Only the tile's points that come before a query's worst kept one can enter its
     # list, at most K of them (KP bounds it): take the tile's first that many times.
     # Once the lists are good, most tiles need no round at all.
-    rows = _rows(r[None, :], d, index_ptr, best_d, MAPPED)
-    return _take_better(d, rows, best_d, best_i, cols)
+    worst_d, worst_i = worst(best_d, best_i)
+    rows = rows_of(r[None, :], d, index_ptr, worst_d, MAPPED)
+    return take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
 
 
 @triton.jit
@@ -206,8 +146,9 @@ def cube(
         dx, dy, dz = qx[:, None] - rx, qy[:, None] - ry, qz[:, None] - rz
         d = tl.where(r_in, dx * dx + dy * dy + dz * dz, float("inf"))
         # As in merge_tile: only candidates before the worst kept one matter.
-        rows = _rows(r, d, index_ptr, best_d, True)
-        best_d, best_i = _take_better(d, rows, best_d, best_i, cols)
+        worst_d, worst_i = worst(best_d, best_i)
+        rows = rows_of(r, d, index_ptr, worst_d, True)
+        best_d, best_i = take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
     return best_d, best_i
 
 
