@@ -11,7 +11,7 @@ import triton.language as tl
 __all__ = ["NO_POINT", "before", "merge_one", "rows_of", "take_better", "worst"]
 
 #: The index of no point: larger than every row, so it loses every tie.
-NO_POINT = 2**31 - 1
+NO_POINT = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
