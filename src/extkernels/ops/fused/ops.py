@@ -171,21 +171,10 @@ def _radius_aggregate_bwd_fake(
 
 
 @torch.library.register_fake("extkernels_fused::radius_positions_bwd")
-def _radius_positions_bwd_fake(
-    grad_out,
-    out,
-    feats,
-    p_query,
-    totals,
-    grid_ref,
-    grid_start,
-    grid_params,
-    radius,
-    sigma,
-):
-    return p_query.new_empty((p_query.shape[0], 3)), p_query.new_empty(
-        (grid_ref.shape[0], 3)
-    )
+def _radius_positions_bwd_fake(grad_out, out, feats, p_query, totals, grid_ref, *_):
+    """``(grad_query (M, 3), grad_ref (N, 3))`` float32."""
+    m, n = p_query.shape[0], grid_ref.shape[0]
+    return p_query.new_empty((m, 3)), p_query.new_empty((n, 3))
 
 
 def _radius_setup_context(ctx, inputs, output):
