@@ -194,9 +194,7 @@ def scatter(
 def scatter_cpu(grad_out, weights, indices, n_ref):
     """The scatter on CPU tensors, by ``index_add_`` (chapter 10)."""
     check_neighbours(weights, indices, grad_out, n_ref, rows_name="grad_out")
-    contributions = weights.unsqueeze(-1) * grad_out.unsqueeze(1)  # (M, k, F)
-    grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))
-    return grad.index_add_(0, indices.reshape(-1), contributions.flatten(0, 1))
+    return torch_scatter(grad_out, weights, indices, n_ref)
 
 
 @scatter.register_fake

@@ -24,6 +24,7 @@ from ..checks import (
     check_knn,
     check_knn_aggregate,
 )
+from ..gather import scatter
 from ..torch.brute_force import knn as brute_force_knn
 from . import spatial
 from .kernels import (
@@ -255,11 +256,9 @@ def knn_aggregate_bwd_op(
     grad_out[q]``; a fresh ``(n_ref, F)`` tensor."""
     m, f = grad_out.shape
     _check_backward_sizes(m, f, weights.shape[1])
-    grad = grad_out.new_zeros((n_ref, f))
     if grad_out.device.type != "cuda":
-        k = weights.shape[1]
-        contributions = weights[:, :, None] * grad_out[:, None, :]
-        return grad.index_add_(0, indices.reshape(-1), contributions.reshape(m * k, f))
+        return scatter(grad_out, weights, indices, n_ref)
+    grad = grad_out.new_zeros((n_ref, f))
     alert_not_deterministic("triton_knn::knn_aggregate_bwd (atomic additions of rows)")
     wrap_triton(scatter_kernel)[(triton.cdiv(m, BLOCK_Q),)](
         grad_out,
