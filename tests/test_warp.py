@@ -836,7 +836,8 @@ def test_saved_handover_rejects_bad_options_and_normalisers():
 def test_attach_backward_routes_the_gradient_of_feats_to_the_backward_op():
     # A forward operator of zeros with a stand-in backward: the gradient of feats must
     # be the backward's result, computed from a contiguous output gradient and the
-    # forward's floats; a cloud that asks for a gradient is refused at forward time.
+    # forward's floats. (The clouds' gradient, through the positions operator, is held
+    # to the torch reference by the conformance suite.)
     @torch.library.custom_op("warp_test::attach_backward", mutates_args=())
     def zeros_op(
         p_query: torch.Tensor,
@@ -859,9 +860,17 @@ def test_attach_backward_routes_the_gradient_of_feats_to_the_backward_op():
     zeros_op(p_query, p_ref, f, RADIUS, SIGMA).sum().backward()  # sum's: an expand
     assert seen == [(True, RADIUS, SIGMA)]
     assert torch.equal(f.grad, torch.full_like(feats, 7.0))
+
+
+def test_the_saved_hand_over_refuses_clouds_that_require_grad():
+    # warp::radius_aggregate_saved differentiates the features only: a cloud that asks
+    # for a gradient is refused at forward time, by name, rather than left without one.
+    p_query, p_ref, feats = problem("cpu")
     q = p_query.clone().requires_grad_(True)
     with pytest.raises(ValueError, match="^p_query requires grad; backend 'warp'"):
-        zeros_op(q, p_ref, f, RADIUS, SIGMA)
+        extkernels.radius_aggregate(
+            q, p_ref, feats, RADIUS, SIGMA, backend="warp", handover="saved"
+        )
 
 
 def test_fakes_give_the_shapes_and_check_the_contract():

@@ -20,6 +20,7 @@ from ..checks import (
     check_radius_aggregate,
 )
 from ..cpp import ops as cpp_ops
+from ..torch import brute_force
 from . import build
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
@@ -181,21 +182,28 @@ def _radius_setup_context(ctx, inputs, output):
     p_query, p_ref, feats, radius, sigma, warp = inputs
     out, totals, grid_ref, grid_start, grid_params = output
     ctx.save_for_backward(
-        p_query, feats, out, totals, grid_ref, grid_start, grid_params
+        p_query, p_ref, feats, out, totals, grid_ref, grid_start, grid_params
     )
     ctx.mark_non_differentiable(totals, grid_ref, grid_start, grid_params)
     ctx.radius, ctx.sigma, ctx.warp = radius, sigma, warp
 
 
+def _radius_second_order(ctx, grad_out, p_query, p_ref, feats):
+    """A backward that autograd records (``create_graph=True``): the kernels have no
+    formula of their own, so the gradients come from the torch backend's, which can be
+    differentiated again (its memory grows as ``M x N``, like that backend's)."""
+    needs = ctx.needs_input_grad[:3]
+    leaves = [t for t, need in zip((p_query, p_ref, feats), needs, strict=True) if need]
+    out = brute_force.radius_aggregate(p_query, p_ref, feats, ctx.radius, ctx.sigma)
+    grads = iter(torch.autograd.grad(out, leaves, grad_out, create_graph=True))
+    return *(next(grads) if need else None for need in needs), None, None, None
+
+
 def _radius_backward(ctx, grad_out, *_grad_saved):
-    p_query, feats, out, *grid = ctx.saved_tensors
+    p_query, p_ref, feats, out, *grid = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if torch.is_grad_enabled() and any(needs[:3]):
-        raise RuntimeError(
-            "radius_aggregate: backend 'fused' has no second-order gradient (its "
-            "backward is made of kernels without a formula of their own): use backend "
-            "'torch' for create_graph=True"
-        )
+        return _radius_second_order(ctx, grad_out, p_query, p_ref, feats)
     grad_out = grad_out.contiguous()
     grad_query = grad_ref = grad_feats = None
     if needs[2]:

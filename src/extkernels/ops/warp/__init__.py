@@ -4,7 +4,7 @@ Organised by role:
 
 - :mod:`~.kernels`: the Warp kernels (chapter 5 shows them one by one);
 - :mod:`~.ops`: the custom operators, each with its fake and its autograd (chapters
-  5-6);
+  5-6), and :mod:`~.positions`, the clouds' gradient;
 - :mod:`~.grids`: the pool that owns every hash grid, from forward to backward and into
   CUDA graphs (chapters 6-7);
 - :mod:`~.saved`: the simple hand-over through ``ctx``, which chapter 6 compares with
@@ -28,6 +28,7 @@ from ..registry import Backend, register
 from .grids import POOL
 from .interop import registered_capture, warp
 from .ops import BACKWARDS
+from .positions import radius_aggregate_positions_backward_op  # noqa: F401
 from .saved import radius_aggregate_saved_op  # noqa: F401  (registers warp::*_saved)
 
 __all__ = [
@@ -115,6 +116,7 @@ BACKEND = register(
         available=available,
         radius_aggregate=radius_aggregate,
         operators={"radius_aggregate": "warp::radius_aggregate"},
+        position_grads=("radius_aggregate",),
         chapter=5,
         toolchain="the warp-lang wheel",
     )

@@ -15,11 +15,14 @@ around one query:
 - :data:`aggregate` is the weighted sum given ``d0`` and ``1 / sum``: linear in
   ``feats``, so Warp differentiates it (its adjoint is the backward), which it could not
   do for the online kernel, whose rescaling depends on the order of the neighbours;
-- :data:`scatter` is that backward written by hand (atomic adds into ``grad_feats``).
+- :data:`scatter` is that backward written by hand (atomic adds into ``grad_feats``);
+- :data:`positions` is the gradient with respect to both clouds (one thread per query,
+  every feature).
 
-One thread handles one query and four features (launch dimension ``(M, ceil(F / 4))``):
-neighbouring threads read neighbouring features of the same reference point, so the
-reads coalesce, and the walk's geometry is computed once for four features.
+One thread of the other kernels handles one query and four features (launch dimension
+``(M, ceil(F / 4))``): neighbouring threads read neighbouring features of the same
+reference point, so the reads coalesce, and the walk's geometry is computed once for
+four features.
 :func:`load4`, :func:`store4` and :func:`atomic_add4` move those four features.
 
 This module imports Warp; the backend imports it on first use.
@@ -193,3 +196,46 @@ def scatter(
         d = wp.length(x - p_ref[j])
         if d <= radius:
             atomic_add4(grad_feats, j, f0, wp.exp((d0 - d) / sigma) * g)
+
+
+@wp.kernel(enable_backward=False)
+def positions(
+    grid: wp.uint64,
+    p_query: wp.array(dtype=wp.vec3),
+    p_ref: wp.array(dtype=wp.vec3),
+    feats: wp.array2d(dtype=float),
+    shift: wp.array(dtype=float),
+    inv_norm: wp.array(dtype=float),
+    radius: float,
+    sigma: float,
+    grad_out: wp.array2d(dtype=float),
+    out: wp.array2d(dtype=float),
+    grad_query: wp.array(dtype=wp.vec3),
+    grad_ref: wp.array(dtype=wp.vec3),
+):
+    # The clouds' gradient, neighbours held fixed. With a_j = exp((d0 - d_j) / sigma) /
+    # sum, out = sum_j a_j feats[j], and g = grad_out[q]:
+    #   dL / dd_j = -(a_j / sigma) * (<g, feats[j]> - <g, out>),
+    # pulled along (x - p_ref[j]) / d_j onto the query and, negated, onto the reference
+    # point (atomic adds: several queries share a neighbour). A pair at distance 0 has
+    # no direction and contributes nothing, as in the torch reference.
+    q = wp.tid()
+    x = p_query[q]
+    d0 = shift[q]
+    scale = inv_norm[q] / sigma
+    nf = feats.shape[1]
+    g_out = float(0.0)  # noqa: UP018
+    for c in range(nf):
+        g_out += grad_out[q, c] * out[q, c]
+    pulled = wp.vec3()
+    for j in wp.hash_grid_query(grid, x, radius):
+        diff = x - p_ref[j]
+        d = wp.length(diff)
+        if d <= radius and d > 0.0:
+            g_f = float(0.0)  # noqa: UP018
+            for c in range(nf):
+                g_f += grad_out[q, c] * feats[j, c]
+            pull = (-wp.exp((d0 - d) / sigma) * scale * (g_f - g_out) / d) * diff
+            pulled += pull
+            wp.atomic_add(grad_ref, j, -pull)
+    grad_query[q] = pulled

@@ -1,13 +1,14 @@
 """The warp backend's custom operators, each with its fake and its autograd (chapters
 5-6).
 
-- ``warp::radius_aggregate`` (:func:`radius_aggregate_op`): the forward, differentiable
-  in ``feats``; its backward calls
+- ``warp::radius_aggregate`` (:func:`radius_aggregate_op`): the forward; its backward
+  calls
 - ``warp::radius_aggregate_backward``: Warp's adjoint of the :data:`~.kernels.aggregate`
   kernel (``wp.launch(..., adjoint=True)``);
 - ``warp::radius_aggregate_manual``: the same forward, its backward calling
 - ``warp::radius_aggregate_backward_manual``: the hand-written
-  :data:`~.kernels.scatter`.
+  :data:`~.kernels.scatter`. Both call :mod:`~.positions`'s operator when a cloud
+  requires grad.
 
 The module reads in the order of the recipe: each operator's ``custom_op``, its
 ``register_fake`` right beneath it, then ``setup_context`` and the
@@ -39,7 +40,6 @@ from typing import Any
 import torch
 
 from ..checks import alert_not_deterministic, check_grad_out, check_radius_aggregate
-from ..positions import refuse_position_grads
 from ..registry import CUDAGRAPH_UNSAFE
 from .grids import POOL, Entry, entry_key
 from .interop import Where, descriptor, launch, where
@@ -51,19 +51,10 @@ from .interop import Where, descriptor, launch, where
 TAGS = (torch.Tag.needs_contiguous_strides, *CUDAGRAPH_UNSAFE)
 
 __all__ = [
-    "BACKWARDS",
-    "new_entry",
-    "launch_online",
-    "forward",
-    "forward_fake",
-    "radius_aggregate_op",
-    "radius_aggregate_manual_op",
-    "backward",
-    "backward_fake",
-    "radius_aggregate_backward_op",
-    "radius_aggregate_backward_manual_op",
-    "setup_context",
-    "attach_backward",
+    *("BACKWARDS", "new_entry", "launch_online", "forward", "forward_fake"),
+    *("radius_aggregate_op", "radius_aggregate_manual_op", "backward_entry"),
+    *("backward", "backward_fake", "radius_aggregate_backward_op"),
+    *("radius_aggregate_backward_manual_op", "setup_context", "attach_backward"),
 ]
 
 #: The backward implementations: Warp's adjoint of the forward kernel, or the
@@ -213,6 +204,23 @@ def forward_fake(p_query, p_ref, feats, radius, sigma):
 # ---------------------------------------------------------------- backward
 
 
+def backward_entry(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    radius: float,
+    sigma: float,
+    at: Where,
+) -> Entry:
+    """The grid and normalisers the forward left in the pool, taken out of it, or, when
+    they are gone (evicted, or a cloud changed in place), built again."""
+    entry = POOL.take(entry_key(p_query, p_ref, radius, sigma))
+    if entry is None:
+        entry = new_entry(p_query, p_ref, radius, at)
+        args = [entry.grid_id, *entry.points, radius, sigma, *entry.norm_descs]
+        launch(kernels().normaliser, (p_query.shape[0],), args, at)
+    return entry
+
+
 def backward(
     grad_out: torch.Tensor,
     p_query: torch.Tensor,
@@ -239,11 +247,7 @@ def backward(
     k = kernels()
     m, f = grad_out.shape
     at = where(p_ref.device)
-    entry = POOL.take(entry_key(p_query, p_ref, radius, sigma))
-    if entry is None:  # the forward's grid is gone: rebuild it and the normalisers
-        entry = new_entry(p_query, p_ref, radius, at)
-        args = [entry.grid_id, *entry.points, radius, sigma, *entry.norm_descs]
-        launch(k.normaliser, (m,), args, at)
+    entry = backward_entry(p_query, p_ref, radius, sigma, at)
     # Fresh zeros every call: both kernels accumulate into grad_feats.
     grad_feats = torch.zeros_like(feats)
     common = [entry.grid_id, *entry.points]
@@ -346,29 +350,42 @@ def backward_fake(grad_out, p_query, p_ref, feats, radius, sigma):
 def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     """What both forward operators keep for their backward (chapter 6)."""
     p_query, p_ref, feats, radius, sigma = inputs
-    # The kernels differentiate the features only: a cloud that asks for a gradient is
-    # refused here, at forward time, rather than left without one.
-    refuse_position_grads("radius_aggregate", "warp", ctx.needs_input_grad[:2])
-    # Tensors for the backward; the hash grid is not among them (it waits in the pool).
-    ctx.save_for_backward(p_query, p_ref, feats)
+    # Tensors for the backward (the output for the clouds' gradient); the hash grid is
+    # not among them (it waits in the pool).
+    ctx.save_for_backward(p_query, p_ref, feats, output)
     ctx.radius, ctx.sigma = radius, sigma
 
 
 def attach_backward(forward_op: Any, backward_op: Any) -> None:
     """Register the autograd of ``forward_op`` (chapter 6): :func:`setup_context`, and
-    a formula that calls ``backward_op`` for the gradient of ``feats``."""
+    a formula that calls ``backward_op`` for the gradient of ``feats`` and
+    ``warp::radius_aggregate_positions_backward`` for those of the clouds."""
 
     def formula(ctx, grad_out: torch.Tensor):
-        p_query, p_ref, feats = ctx.saved_tensors
-        grad_feats = None
-        if ctx.needs_input_grad[2]:
-            # The incoming gradient may be a broadcast view (the backward of a sum is an
-            # expand).
-            grad_feats = backward_op(
-                grad_out.contiguous(), p_query, p_ref, feats, ctx.radius, ctx.sigma
+        p_query, p_ref, feats, out = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled() and any(needs[:3]):
+            raise RuntimeError(
+                "radius_aggregate: backend 'warp' has no second-order gradient (its "
+                "backward kernels have no formula of their own): use backend 'torch' "
+                "or 'fused' for create_graph=True"
             )
-        # The clouds need none: setup_context refused them.
-        return None, None, grad_feats, None, None
+        # The incoming gradient may be a broadcast view (the backward of a sum is an
+        # expand).
+        grad_out = grad_out.contiguous()
+        grad_query = grad_ref = grad_feats = None
+        if needs[0] or needs[1]:
+            # First, so that the features' backward still finds the forward's grid.
+            grad_query, grad_ref = torch.ops.warp.radius_aggregate_positions_backward(
+                grad_out, out, p_query, p_ref, feats, ctx.radius, ctx.sigma, needs[2]
+            )
+            grad_query = grad_query if needs[0] else None
+            grad_ref = grad_ref if needs[1] else None
+        if needs[2]:
+            grad_feats = backward_op(
+                grad_out, p_query, p_ref, feats, ctx.radius, ctx.sigma
+            )
+        return grad_query, grad_ref, grad_feats, None, None
 
     torch.library.register_autograd(forward_op, formula, setup_context=setup_context)
 
