@@ -194,6 +194,28 @@ def test_no_position_that_requires_grad_gets_none(op, backend, device):
     assert grad is not None and grad.abs().sum() > 0
 
 
+def _sum_grads(op, backend, device, p_query, p_ref):
+    # The backward of a sum hands the operator an expanded (stride 0) gradient.
+    leaves = _leaves(device, p_query, p_ref)
+    if op not in registry.get(backend).position_grads:
+        leaves[0].requires_grad_(False)
+        leaves[1].requires_grad_(False)
+    out = _call(op, backend, *leaves)
+    wanted = [t for t in leaves[: 2 if op == "knn" else 3] if t.requires_grad]
+    if not wanted:
+        pytest.skip(f"{backend} differentiates nothing of {op}")
+    return [g.cpu() for g in torch.autograd.grad(out.sum(), wanted)]
+
+
+@pytest.mark.parametrize("op, backend, device", per_op(OPS))
+def test_a_broadcast_output_gradient_gives_the_reference_gradients(op, backend, device):
+    p_query, p_ref = _cloud("random")
+    actual = _sum_grads(op, backend, device, p_query, p_ref)
+    expected = _sum_grads(op, "torch", "cpu", p_query, p_ref)[-len(actual) :]
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, **_tolerance("random"))
+
+
 @pytest.mark.parametrize("op, backend, device", per_op(OPS))
 def test_the_refusal_names_the_argument_and_who_can(op, backend, device):
     if op in registry.get(backend).position_grads:
@@ -350,7 +372,25 @@ def lowest_index_first(p_query, p_ref, k) -> np.ndarray:
     return order[:, :k]
 
 
-TIE_BACKENDS = [p for p in per_op(["knn"]) if p.values[1] != "cuml"]
+def _tie_cases() -> list:
+    """Every kNN backend but cuML (whose order of ties is its own). The Triton kernels
+    on the GPU still keep the first of equal distances they meet: known, marked so."""
+    cases = []
+    for p in per_op(["knn"]):
+        if p.values[1] == "cuml":
+            continue
+        if p.values[1:] == ("triton", "cuda"):
+            why = "the Triton kernels break ties by the order they meet points"
+            p = pytest.param(
+                *p.values,
+                marks=[*p.marks, pytest.mark.xfail(reason=why, strict=True)],
+                id=p.id,
+            )
+        cases.append(p)
+    return cases
+
+
+TIE_BACKENDS = _tie_cases()
 
 
 @pytest.mark.parametrize("k", [1, 7, 20])

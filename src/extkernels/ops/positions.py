@@ -178,6 +178,9 @@ def register_knn_aggregate_autograd(op: str, scatter_kernel: Callable) -> None:
     def backward(ctx, grad_out, grad_weights, _grad_indices):
         p_query, p_ref, feats, weights, indices = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        # The incoming gradient may be a broadcast view (the backward of a sum is an
+        # expand): a kernel reads rows densely.
+        grad_out = grad_out.contiguous()
         grad_feats = grad_query = grad_ref = None
         if needs[2]:
             adjoint = scatter if torch.is_grad_enabled() else scatter_kernel
