@@ -158,6 +158,26 @@ def test_the_data_rule_sees_the_pages_that_read_files():
     )
 
 
+# tags under which a cell's stderr stays off the page
+QUIET_TAGS = {"remove-stderr", "remove-output", "remove-cell"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_stderr_reaches_the_page(path):
+    # Warnings and logs (cuBLAS contexts, inductor's cudagraph notes, profiler lines)
+    # are the machine's, not the lesson: what a cell shows is its result.
+    loud = [
+        f"cell {i}: {o.text.strip().splitlines()[0][:60]}"
+        for i, cell in _code_cells(path)
+        if not QUIET_TAGS & set(cell.metadata.get("tags", []))
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stderr"
+    ]
+    assert not loud, f"{path.name}: stderr on the page (tag remove-stderr):\n" + (
+        "\n".join(loud)
+    )
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executed_in_order(path):
     nb = nbformat.read(path, as_version=4)
