@@ -219,3 +219,53 @@ def test_the_typed_measurement_rule_sees_one():
 def test_prose_types_no_measurement(path):
     typed = [t for m in markdown(path) for t in typed_measurements(m)]
     assert not typed, f"{path.name}: typed figures {typed}; glue them from the data"
+
+
+# ------------------------------------------------------------ no generated verdicts
+
+#: Words of a judgement: a glued value holding one is a sentence the code wrote.
+VERDICT = re.compile(r"\b(faster|slower|within the|goals?|targets?|meets|misses)\b")
+GLUE_KEY = re.compile(r"\{glue(?::[a-z]+)?\}`([A-Za-z0-9_]+)")
+RECORD = "application/papermill.record/text/plain"
+
+
+def glued_values(path: Path) -> dict[str, str]:
+    """The values a notebook glued, as stored (their ``text/plain`` form)."""
+    values = {}
+    for cell in nbformat.read(path, as_version=4).cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if RECORD in out.get("data", {}):
+                name = out.get("metadata", {}).get("scrapbook", {}).get("name")
+                values[name] = out["data"][RECORD]
+    return values
+
+
+def verdicts_in_prose(path: Path) -> list[str]:
+    values = glued_values(path)
+    keys = {k for m in markdown(path) for k in GLUE_KEY.findall(prose(m))}
+    return sorted(
+        f"{k} = {values[k]}" for k in keys if k in values and VERDICT.search(values[k])
+    )
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if p.suffix == ".ipynb"], ids=str)
+def test_prose_quotes_numbers_and_names_never_verdicts(path):
+    # A person writes what a table shows; the code glues numbers and names only.
+    found = verdicts_in_prose(path)
+    assert not found, f"{path.name}: the prose quotes a generated judgement: {found}"
+
+
+def test_the_verdict_rule_sees_one(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    glue = nbformat.v4.new_code_cell("glue(...)")
+    glue.outputs = [
+        nbformat.v4.new_output(
+            "display_data",
+            data={RECORD: "'faster than'"},
+            metadata={"scrapbook": {"name": "x_vs_y"}},
+        )
+    ]
+    nb.cells = [glue, nbformat.v4.new_markdown_cell("X is {glue:text}`x_vs_y` Y.")]
+    path = tmp_path / "page.ipynb"
+    nbformat.write(nb, path)
+    assert verdicts_in_prose(path) == ["x_vs_y = 'faster than'"]
