@@ -223,8 +223,10 @@ def test_prose_types_no_measurement(path):
 
 # ------------------------------------------------------------ no generated verdicts
 
-#: Words of a judgement: a glued value holding one is a sentence the code wrote.
+#: Words of a judgement: a glued value holding one is a sentence the code wrote; so is
+#: any glued text of five words or more, unless it quotes an error the page ran into.
 VERDICT = re.compile(r"\b(faster|slower|within the|goals?|targets?|meets|misses)\b")
+ERROR = re.compile(r"^['\"]?\w*(Error|Exception|Unsupported)\b")
 GLUE_KEY = re.compile(r"\{glue(?::[a-z]+)?\}`([A-Za-z0-9_]+)")
 RECORD = "application/papermill.record/text/plain"
 
@@ -243,8 +245,13 @@ def glued_values(path: Path) -> dict[str, str]:
 def verdicts_in_prose(path: Path) -> list[str]:
     values = glued_values(path)
     keys = {k for m in markdown(path) for k in GLUE_KEY.findall(prose(m))}
+
+    def written(value: str) -> bool:
+        sentence = value[:1] in "'\"" and len(value.split()) >= 5
+        return bool(VERDICT.search(value)) or (sentence and not ERROR.match(value))
+
     return sorted(
-        f"{k} = {values[k]}" for k in keys if k in values and VERDICT.search(values[k])
+        f"{k} = {values[k]}" for k in keys if k in values and written(values[k])
     )
 
 
@@ -265,7 +272,19 @@ def test_the_verdict_rule_sees_one(tmp_path):
             metadata={"scrapbook": {"name": "x_vs_y"}},
         )
     ]
-    nb.cells = [glue, nbformat.v4.new_markdown_cell("X is {glue:text}`x_vs_y` Y.")]
+    said = nbformat.v4.new_code_cell("glue(...)")
+    said.outputs = [
+        nbformat.v4.new_output(
+            "display_data",
+            data={RECORD: "'The walk stays close on every cloud'"},
+            metadata={"scrapbook": {"name": "said"}},
+        )
+    ]
+    text = "X is {glue:text}`x_vs_y` Y. {glue:text}`said`."
+    nb.cells = [glue, said, nbformat.v4.new_markdown_cell(text)]
     path = tmp_path / "page.ipynb"
     nbformat.write(nb, path)
-    assert verdicts_in_prose(path) == ["x_vs_y = 'faster than'"]
+    assert verdicts_in_prose(path) == [
+        "said = 'The walk stays close on every cloud'",
+        "x_vs_y = 'faster than'",
+    ]
