@@ -216,6 +216,15 @@ def test_nothing_overflows_the_content_column(opened: Opened):
     _fail_if(wide, f"{opened.path}: {len(wide)} elements wider than the content column")
 
 
+def test_figure_captions_carry_no_book_wide_number(opened: Opened):
+    # Sphinx numbers figures across the whole book; no page refers to one by number.
+    numbered = opened.page.evaluate(
+        """() => Array.from(document.querySelectorAll('figcaption'))
+            .map(c => c.innerText.trim()).filter(t => /^Fig\\.\\s*\\d/.test(t))"""
+    )
+    _fail_if(numbered, f"{opened.path}: figure captions show a number")
+
+
 def test_internal_links_resolve(opened: Opened, built_site: Path):
     hrefs = opened.page.evaluate(
         "() => Array.from(document.querySelectorAll('a[href]'),"
