@@ -262,24 +262,23 @@ def test_prose_quotes_numbers_and_names_never_verdicts(path):
     assert not found, f"{path.name}: the prose quotes a generated judgement: {found}"
 
 
+def _glued(name: str, value: str) -> nbformat.NotebookNode:
+    """A code cell whose stored output is myst-nb's record of ``glue(name, value)``."""
+    cell = nbformat.v4.new_code_cell("glue(...)")
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "display_data",
+            data={RECORD: value},
+            metadata={"scrapbook": {"name": name}},
+        )
+    ]
+    return cell
+
+
 def test_the_verdict_rule_sees_one(tmp_path):
     nb = nbformat.v4.new_notebook()
-    glue = nbformat.v4.new_code_cell("glue(...)")
-    glue.outputs = [
-        nbformat.v4.new_output(
-            "display_data",
-            data={RECORD: "'faster than'"},
-            metadata={"scrapbook": {"name": "x_vs_y"}},
-        )
-    ]
-    said = nbformat.v4.new_code_cell("glue(...)")
-    said.outputs = [
-        nbformat.v4.new_output(
-            "display_data",
-            data={RECORD: "'The walk stays close on every cloud'"},
-            metadata={"scrapbook": {"name": "said"}},
-        )
-    ]
+    glue = _glued("x_vs_y", "'faster than'")
+    said = _glued("said", "'The walk stays close on every cloud'")
     text = "X is {glue:text}`x_vs_y` Y. {glue:text}`said`."
     nb.cells = [glue, said, nbformat.v4.new_markdown_cell(text)]
     path = tmp_path / "page.ipynb"

@@ -103,12 +103,9 @@ def register_knn_autograd(op: str) -> None:
     indices)``; the backward scatters ``grad_out`` ``(M, F)`` through the weights and
     indices into the features' gradient ``(N, F)`` with
     ``extkernels_cpp::knn_aggregate_bwd``, and the clouds' gradients come through the
-    weights (:func:`~extkernels.ops.positions.register_knn_aggregate_autograd`)."""
-
-    def scatter(grad_out, weights, indices, n_ref):
-        return _ops.knn_aggregate_bwd(grad_out.contiguous(), weights, indices, n_ref)
-
-    positions.register_knn_aggregate_autograd(op, scatter)
+    weights (:func:`~extkernels.ops.positions.register_knn_aggregate_autograd`, which
+    hands the scatter a contiguous ``grad_out``)."""
+    positions.register_knn_aggregate_autograd(op, _ops.knn_aggregate_bwd)
 
 
 register_knn_autograd("extkernels_cpp::knn_aggregate_fwd")

@@ -65,18 +65,19 @@ def radius_aggregate_positions_backward_op(
     radius, sigma = _check(grad_out, out, p_query, p_ref, feats, radius, sigma)
     if p_ref.device.type == "cuda":
         alert_not_deterministic("warp::radius_aggregate (positions, atomic adds)")
-    wp = kernels().wp
+    kernel_module = kernels()
     at = where(p_ref.device)
     entry = backward_entry(p_query, p_ref, radius, sigma, at)
     grad_query = torch.empty_like(p_query)
     grad_ref = torch.zeros_like(p_ref)  # the kernel accumulates into it
+    vec3 = kernel_module.wp.vec3
     launch(
-        kernels().positions,
+        kernel_module.positions,
         (p_query.shape[0],),
         [entry.grid_id, *entry.points, descriptor(feats), *entry.norm_descs]
         + [radius, sigma]
         + [descriptor(grad_out), descriptor(out)]
-        + [descriptor(grad_query, wp.vec3), descriptor(grad_ref, wp.vec3)],
+        + [descriptor(grad_query, vec3), descriptor(grad_ref, vec3)],
         at,
     )
     if keep:
