@@ -372,25 +372,7 @@ def lowest_index_first(p_query, p_ref, k) -> np.ndarray:
     return order[:, :k]
 
 
-def _tie_cases() -> list:
-    """Every kNN backend but cuML (whose order of ties is its own). The Triton kernels
-    on the GPU still keep the first of equal distances they meet: known, marked so."""
-    cases = []
-    for p in per_op(["knn"]):
-        if p.values[1] == "cuml":
-            continue
-        if p.values[1:] == ("triton", "cuda"):
-            why = "the Triton kernels break ties by the order they meet points"
-            p = pytest.param(
-                *p.values,
-                marks=[*p.marks, pytest.mark.xfail(reason=why, strict=True)],
-                id=p.id,
-            )
-        cases.append(p)
-    return cases
-
-
-TIE_BACKENDS = _tie_cases()
+TIE_BACKENDS = [p for p in per_op(["knn"]) if p.values[1] != "cuml"]
 
 
 @pytest.mark.parametrize("k", [1, 7, 20])

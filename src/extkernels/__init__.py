@@ -21,6 +21,7 @@ from .models import (
 )
 from .ops import backends, knn, knn_aggregate, radius_aggregate
 from .problem import Problem, problem
+from .training import train
 
 __all__ = [
     "memory",
@@ -41,6 +42,7 @@ __all__ = [
     "radius_aggregate",
     "reference_cloud",
     "targets",
+    "train",
 ]
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_forward", "make_train_step"]
+__all__ = ["make_forward", "make_train_step", "train"]
 
 
 def make_forward(
@@ -75,3 +75,21 @@ def make_train_step(
         return loss.detach()
 
     return step
+
+
+def train(
+    model: torch.nn.Module,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    target: torch.Tensor,
+    steps: int,
+    lr: float = 1e-3,
+) -> list[float]:
+    """``steps`` training steps of ``model``, chapter 1's loop as the reader types it
+    (the operator chapters train the reader's operator with it).
+
+    Returns:
+        the loss before each step.
+    """
+    step = make_train_step(model, model.parameters(), p_query, p_ref, target, lr=lr)
+    return [step().item() for _ in range(steps)]

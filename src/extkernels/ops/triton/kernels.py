@@ -1,10 +1,12 @@
 """Triton kernels of the exact kNN search and the fused kNN aggregation (chapter 8).
 
 One program takes ``BLOCK_Q`` queries and keeps the ``k`` best of each on chip in a
-``(BLOCK_Q, KP)`` tile (``KP``: ``k`` rounded up to a power of two): a candidate closer
-than a query's worst kept one replaces it. Distances come from coordinate differences
-(never the expanded ``|a|^2 - 2 a.b + |b|^2``, which loses digits far from the origin,
-chapter 3). No ``(M, N)`` matrix is ever written. Two walks over the reference cloud:
+``(BLOCK_Q, KP)`` tile (``KP``: ``k`` rounded up to a power of two): a candidate that
+comes before a query's worst kept one replaces it (nearer, or as near with a lower row
+of the reference cloud: ties go to the lowest index, on every backend). Distances come
+from coordinate differences (never the expanded ``|a|^2 - 2 a.b + |b|^2``, which loses
+digits far from the origin, chapter 3). No ``(M, N)`` matrix is ever written. Two walks
+over the reference cloud:
 
 - the **brute force** (``GRID=False``) compares every query with every reference point,
   ``BLOCK_R`` at a time;
@@ -16,6 +18,8 @@ chapter 3). No ``(M, N)`` matrix is ever written. Two walks over the reference c
 
 import triton
 import triton.language as tl
+
+from .lists import NO_POINT, rows_of, take_better, worst
 
 __all__ = [
     "merge_tile",
@@ -74,23 +78,12 @@ def cell_keys_kernel(p_ptr, lo_ptr, hi_ptr, key_ptr, N, G, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _merge_one(d, r, best_d, best_i, cols):
-    """One candidate per query (distance ``d``, index ``r``) into the kept lists."""
-    worst = tl.max(best_d, axis=1)
-    slot = tl.argmax(best_d, axis=1)
-    replace = (cols == slot[:, None]) & (d < worst)[:, None]
-    best_d = tl.where(replace, d[:, None], best_d)
-    best_i = tl.where(replace, r[:, None], best_i)
-    return best_d, best_i
-
-
-@triton.jit
 def merge_tile(
-    qx, qy, qz, r_ptr, start, N, best_d, best_i, cols, BLOCK_R: tl.constexpr
-):
+    qx, qy, qz, r_ptr, index_ptr, start, N, best_d, best_i, cols,
+    BLOCK_R: tl.constexpr, MAPPED: tl.constexpr,
+):  # fmt: skip
     """The reference points ``start .. start + BLOCK_R`` into the kept lists (chapter
     8 shows it)."""
-    lanes = tl.arange(0, BLOCK_R)[None, :]
     r = start + tl.arange(0, BLOCK_R)
     r_in = r < N
     rx = tl.load(r_ptr + r * 3 + 0, mask=r_in, other=0.0)
@@ -100,31 +93,30 @@ def merge_tile(
     dy = qy[:, None] - ry[None, :]
     dz = qz[:, None] - rz[None, :]
     d = tl.where(r_in[None, :], dx * dx + dy * dy + dz * dz, float("inf"))
-    # Only the tile's points closer than a query's worst kept one can enter its list,
-    # at most K of them (KP bounds it): take the tile's nearest that many times. Once
-    # the lists are good, most tiles need no round at all.
-    better = d < tl.max(best_d, axis=1)[:, None]
-    rounds = tl.minimum(tl.max(tl.sum(better.to(tl.int32), axis=1)), best_d.shape[1])
-    for _ in range(rounds):
-        nearest = tl.min(d, axis=1)
-        lane = tl.argmin(d, axis=1)
-        best_d, best_i = _merge_one(nearest, start + lane, best_d, best_i, cols)
-        d = tl.where(lanes == lane[:, None], float("inf"), d)
-    return best_d, best_i
+    # Only the tile's points that come before a query's worst kept one can enter its
+    # list, at most K of them (KP bounds it): take the tile's first that many times.
+    # Once the lists are good, most tiles need no round at all.
+    worst_d, worst_i = worst(best_d, best_i)
+    rows = rows_of(r[None, :], d, index_ptr, worst_d, MAPPED)
+    return take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
 
 
 @triton.jit
-def _brute_force(qx, qy, qz, r_ptr, N, best_d, best_i, cols, BLOCK_R: tl.constexpr):
+def _brute_force(
+    qx, qy, qz, r_ptr, index_ptr, N, best_d, best_i, cols,
+    BLOCK_R: tl.constexpr, MAPPED: tl.constexpr,
+):  # fmt: skip
     for start in range(0, N, BLOCK_R):
         best_d, best_i = merge_tile(
-            qx, qy, qz, r_ptr, start, N, best_d, best_i, cols, BLOCK_R
-        )
+            qx, qy, qz, r_ptr, index_ptr, start, N, best_d, best_i, cols, BLOCK_R,
+            MAPPED,
+        )  # fmt: skip
     return best_d, best_i
 
 
 @triton.jit
 def cube(
-    qx, qy, qz, q_in, cx, cy, cz, r_ptr, start_ptr, G, best_d, best_i, cols,
+    qx, qy, qz, q_in, cx, cy, cz, r_ptr, index_ptr, start_ptr, G, best_d, best_i, cols,
     R: tl.constexpr, RUNS: tl.constexpr,
 ):  # fmt: skip
     """The points of the ``(2R + 1)^3`` cells around each query's cell into its list.
@@ -153,23 +145,17 @@ def cube(
         rz = tl.load(r_ptr + r * 3 + 2, mask=r_in, other=0.0)
         dx, dy, dz = qx[:, None] - rx, qy[:, None] - ry, qz[:, None] - rz
         d = tl.where(r_in, dx * dx + dy * dy + dz * dz, float("inf"))
-        # As in merge_tile: only candidates closer than the worst kept one matter.
-        better = d < tl.max(best_d, axis=1)[:, None]
-        rounds = tl.minimum(
-            tl.max(tl.sum(better.to(tl.int32), axis=1)), best_d.shape[1]
-        )
-        for _ in range(rounds):
-            nearest = tl.min(d, axis=1)
-            pick = run == tl.argmin(d, axis=1)[:, None]
-            index = tl.sum(tl.where(pick, r, 0), axis=1)
-            best_d, best_i = _merge_one(nearest, index, best_d, best_i, cols)
-            d = tl.where(pick, float("inf"), d)
+        # As in merge_tile: only candidates before the worst kept one matter.
+        worst_d, worst_i = worst(best_d, best_i)
+        rows = rows_of(r, d, index_ptr, worst_d, True)
+        best_d, best_i = take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
     return best_d, best_i
 
 
 @triton.jit
 def grid_walk(
-    qx, qy, qz, q_in, r_ptr, start_ptr, lo_ptr, hi_ptr, G, empty, best_i, cols,
+    qx, qy, qz, q_in, r_ptr, index_ptr, start_ptr, lo_ptr, hi_ptr, G, empty, best_i,
+    cols,
 ):  # fmt: skip
     """The cube of 27 cells around each query's cell, then (for a block not done) the
     cube of 125; returns the lists and whether every query of the block is done
@@ -192,30 +178,33 @@ def grid_walk(
     )
     inside = tl.maximum(inside, 0.0)
     best_d, best_i = cube(
-        qx, qy, qz, q_in, cx, cy, cz, r_ptr, start_ptr, G, empty, best_i, cols, 1, 16
-    )
+        qx, qy, qz, q_in, cx, cy, cz, r_ptr, index_ptr, start_ptr, G, empty, best_i,
+        cols, 1, 16,
+    )  # fmt: skip
+    # A point outside may tie with the worst kept one at the bound: not done then.
     bound = size + inside
-    done = tl.max((q_in & (tl.max(best_d, axis=1) > bound * bound)).to(tl.int32)) == 0
+    done = tl.max((q_in & (tl.max(best_d, axis=1) >= bound * bound)).to(tl.int32)) == 0
     if not done:  # again, from empty lists, with the larger cube
         best_d, best_i = cube(
-            qx, qy, qz, q_in, cx, cy, cz, r_ptr, start_ptr, G, empty,
+            qx, qy, qz, q_in, cx, cy, cz, r_ptr, index_ptr, start_ptr, G, empty,
             tl.zeros_like(best_i), cols, 2, 32,
         )  # fmt: skip
         bound = 2 * size + inside
-        open_ = q_in & (tl.max(best_d, axis=1) > bound * bound)
+        open_ = q_in & (tl.max(best_d, axis=1) >= bound * bound)
         done = tl.max(open_.to(tl.int32)) == 0
     return best_d, best_i, done | (G <= 3)
 
 
 @triton.jit
 def _nearest(
-    q_ptr, order_ptr, r_ptr, M, N, start_ptr, lo_ptr, hi_ptr, G,
+    q_ptr, order_ptr, r_ptr, ref_index_ptr, M, N, start_ptr, lo_ptr, hi_ptr, G,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     GRID: tl.constexpr,
 ):  # fmt: skip
     """This program's queries (rows ``q`` of the output, read through ``order_ptr``
     with ``GRID``) and their K nearest reference points, unordered: squared distances
-    ``(BLOCK_Q, KP)`` (columns >= K hold +inf) and indices into ``r_ptr``."""
+    ``(BLOCK_Q, KP)`` (columns >= K hold +inf) and rows of the caller's cloud (with
+    ``GRID`` ``r_ptr`` is sorted by cell, and ``ref_index_ptr`` maps it back)."""
     slot = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_in = slot < M
     # With GRID the queries come in cell order (neighbours in a block share cells), and
@@ -236,15 +225,17 @@ def _nearest(
     best_i = tl.full((BLOCK_Q, KP), 0, tl.int32)
     if GRID:
         best_d, best_i, done = grid_walk(
-            qx, qy, qz, q_in, r_ptr, start_ptr, lo_ptr, hi_ptr, G, empty, best_i, cols
-        )
+            qx, qy, qz, q_in, r_ptr, ref_index_ptr, start_ptr, lo_ptr, hi_ptr, G,
+            empty, best_i, cols,
+        )  # fmt: skip
         if not done:  # a sparse or clustered cloud: start again, by brute force
             best_d, best_i = _brute_force(
-                qx, qy, qz, r_ptr, N, empty, tl.zeros_like(best_i), cols, BLOCK_R
-            )
+                qx, qy, qz, r_ptr, ref_index_ptr, N, empty, tl.zeros_like(best_i),
+                cols, BLOCK_R, True,
+            )  # fmt: skip
     else:
         best_d, best_i = _brute_force(
-            qx, qy, qz, r_ptr, N, best_d, best_i, cols, BLOCK_R
+            qx, qy, qz, r_ptr, ref_index_ptr, N, best_d, best_i, cols, BLOCK_R, False
         )
     return q, q_in, tl.where(cols < K, best_d, float("inf")), best_i
 
@@ -260,20 +251,17 @@ def knn_kernel(
     With ``GRID`` the reference cloud ``r_ptr`` comes sorted by cell and
     ``ref_index_ptr`` maps its points back to the caller's."""
     q, q_in, best_d, best_i = _nearest(
-        q_ptr, order_ptr, r_ptr, M, N, start_ptr, lo_ptr, hi_ptr, G,
+        q_ptr, order_ptr, r_ptr, ref_index_ptr, M, N, start_ptr, lo_ptr, hi_ptr, G,
         K, KP, BLOCK_Q, BLOCK_R, GRID,
     )  # fmt: skip
-    if GRID:
-        best_i = tl.load(ref_index_ptr + best_i, mask=q_in[:, None], other=0)
-    cols = tl.arange(0, KP)[None, :]
-    # Written in ascending order: the nearest kept one, K times.
+    # In ascending order: the first kept one (nearest, then lowest row), K times.
     for j in tl.static_range(K):
         nearest = tl.min(best_d, axis=1)
-        pick = cols == tl.argmin(best_d, axis=1)[:, None]
-        index = tl.sum(tl.where(pick, best_i, 0), axis=1)
+        index = tl.min(tl.where(best_d == nearest[:, None], best_i, NO_POINT), axis=1)
         tl.store(dist_ptr + q * K + j, tl.sqrt(nearest), mask=q_in)
         tl.store(idx_ptr + q * K + j, index.to(tl.int64), mask=q_in)
-        best_d = tl.where(pick, float("inf"), best_d)
+        taken = (best_d == nearest[:, None]) & (best_i == index[:, None])
+        best_d = tl.where(taken, float("inf"), best_d)
 
 
 #: The search with its queries per program and warps chosen by Triton's autotuner,
@@ -300,11 +288,9 @@ def knn_aggregate_kernel(
     writes the weights and indices ``(M, K)`` for the backward (in no particular
     order). Clouds as in :func:`knn_kernel`."""
     q, q_in, best_d, best_i = _nearest(
-        q_ptr, order_ptr, r_ptr, M, N, start_ptr, lo_ptr, hi_ptr, G,
+        q_ptr, order_ptr, r_ptr, ref_index_ptr, M, N, start_ptr, lo_ptr, hi_ptr, G,
         K, KP, BLOCK_Q, BLOCK_R, GRID,
     )  # fmt: skip
-    if GRID:
-        best_i = tl.load(ref_index_ptr + best_i, mask=q_in[:, None], other=0)
     cols = tl.arange(0, KP)[None, :]
     dist = tl.sqrt(best_d)
     # Softmax of -d / sigma, shifted by the nearest distance (exp never underflows).
