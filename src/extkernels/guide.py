@@ -44,7 +44,7 @@ ROWS = {
 #: its chapter registers it: the guide's words follow it, and the tests check it
 #: against the dispatcher (``tests/test_guide_words.py``).
 #: cuML's operator is only the search: its distances differentiate with respect to both
-#: clouds (chapter 8's formula), and PyTorch's gather after it carries the features'.
+#: clouds (ops.positions), and PyTorch's gather after it carries the features'.
 AUTOGRAD = {
     ("cuml", "knn"): True,
     ("triton", "knn_aggregate"): True,
