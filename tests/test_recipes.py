@@ -1,0 +1,164 @@
+"""Each chapter's typed recipe runs outside the book.
+
+A chapter's recipe is its code cells tagged ``recipe``: what a reader copies into a
+script of their own, from the kernel to the registrations (and, in chapter 1, the model
+and its training). Here they run in order in a fresh Python process on the CPU that
+imports torch and the chapter's library but cannot import the book's package, on data
+made with plain torch; then the operator the reader built is used as the chapter uses
+it and checked against a brute force written here. The first error fails the test.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: What every recipe finds before its first cell: the book's package out of reach, the
+#: sizes a chapter reads from ``prob``, and the clouds, features and targets it names.
+PREAMBLE = """
+import math
+import sys
+import types
+
+sys.modules["extkernels"] = None  # `import extkernels` raises: the recipe is on its own
+
+import torch
+
+torch.manual_seed(0)
+prob = types.SimpleNamespace(
+    device=torch.device("cpu"), k=7, sigma=0.1, radius=0.3, hidden=25, seed=0,
+    n_ref=2000, grid_side=8,
+)
+axis = torch.linspace(-1.0, 1.0, prob.grid_side)
+grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), dim=-1)
+p_query = grid.reshape(-1, 3).contiguous()
+p_ref = torch.randn(prob.n_ref, 3)
+feats = torch.randn(prob.n_ref, prob.hidden)
+target = torch.randn(p_query.shape[0], 1)
+on_gpu = False
+
+
+def _pairwise(q, r):
+    return torch.cdist(q, r, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+def _knn_aggregate_brute(q, r, f, k, sigma):
+    d, i = _pairwise(q, r).topk(k, dim=1, largest=False)
+    return (torch.softmax(-d / sigma, dim=1)[:, :, None] * f[i]).sum(dim=1)
+
+
+def _radius_aggregate_brute(q, r, f, radius, sigma):
+    d = _pairwise(q, r)
+    w = torch.where(d <= radius, torch.exp(-d / sigma), 0.0)
+    return w / w.sum(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny) @ f
+"""
+
+#: Per chapter: the imports its recipe takes from a cell that also imports the book's
+#: package, and what the reader then does with the result (asserting what must hold).
+CHAPTERS = {
+    "01_eager_baseline": (
+        "",
+        """
+        d, i = knn(p_query, p_ref, prob.k)
+        want, _ = _pairwise(p_query, p_ref).topk(prob.k, dim=1, largest=False)
+        assert torch.allclose(d, want, atol=1e-5), "knn: distances"
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
+        q = p_query.clone().requires_grad_()
+        knn_aggregate(q, p_ref, feats, prob.k, prob.sigma).sum().backward()
+        assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0, "no q gradient"
+        """,
+    ),
+    "05_warp_radius": (
+        "",
+        """
+        small = (p_query[:100], p_ref, feats, prob.radius, prob.sigma)
+        want = _radius_aggregate_brute(*small)
+        assert torch.allclose(radius_aggregate(*small), want, atol=1e-5)
+        torch.library.opcheck(radius_aggregate, small)
+        compiled = torch.compile(lambda *a: radius_aggregate(*a), fullgraph=True)
+        assert torch.allclose(compiled(*small), want, atol=1e-5)
+        """,
+    ),
+    "06_warp_backward": (
+        "",
+        """
+        q, grad_out = p_query[:100], torch.randn(100, prob.hidden)
+        x = feats.clone().requires_grad_()
+        y = feats.clone().requires_grad_()
+        radius_aggregate(q, p_ref, x, prob.radius, prob.sigma).backward(grad_out)
+        _radius_aggregate_brute(q, p_ref, y, prob.radius, prob.sigma).backward(
+            grad_out
+        )
+        assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+        torch.library.opcheck(radius_aggregate, (q, p_ref, x, prob.radius, prob.sigma))
+        try:
+            radius_aggregate(q.clone().requires_grad_(), p_ref, x, 0.3, 0.1)
+        except ValueError as e:
+            assert "p_query" in str(e), e
+        else:
+            raise AssertionError("a position gradient was not refused")
+        """,
+    ),
+    "08_triton_knn": (
+        "import triton\nimport triton.language as tl\n",
+        """
+        q, r = p_query[:64], p_ref[:256]
+        x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
+        out, w, idx = knn_aggregate_t(q, r, x, prob.k, prob.sigma)
+        want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
+        assert torch.allclose(out, want, atol=1e-5), "output"
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        want.backward(grad_out)
+        assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+        torch.library.opcheck(knn_aggregate, (q, r, feats[:256], prob.k, prob.sigma))
+        torch.library.opcheck(knn_aggregate_t, (q, r, x, prob.k, prob.sigma))
+        """,
+    ),
+}
+
+
+def recipe(name: str) -> list[str]:
+    """The sources of a chapter's cells tagged ``recipe``, in order."""
+    nb = nbformat.read(ROOT / "book" / f"{name}.ipynb", as_version=4)
+    return [
+        c.source
+        for c in nb.cells
+        if c.cell_type == "code" and "recipe" in c.metadata.get("tags", [])
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CHAPTERS))
+def test_recipe_names_nothing_of_the_book(name):
+    cells = recipe(name)
+    assert cells, f"{name}: no cell is tagged recipe"
+    uses = [c.splitlines()[0] for c in cells if "extkernels" in c or "ek." in c]
+    assert not uses, f"{name}: recipe cells use the book's package: {uses}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CHAPTERS))
+def test_recipe_runs_in_a_fresh_process_without_the_book(name, tmp_path):
+    imports, use = CHAPTERS[name]
+    script = "\n\n".join(
+        [PREAMBLE, imports, *recipe(name), textwrap.dedent(use), 'print("recipe ok")']
+    )
+    (tmp_path / "recipe.py").write_text(script)  # Triton and Warp read their sources
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "recipe.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0 and "recipe ok" in result.stdout, (
+        f"{name}'s recipe failed outside the book:\n{result.stderr[-4000:]}"
+    )
