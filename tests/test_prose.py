@@ -12,8 +12,8 @@ import nbformat
 import pytest
 from conftest import ROOT, toc_files
 
-MAX_CHAPTER_WORDS = 2_200
-MAX_BOOK_WORDS = 24_000
+MAX_CHAPTER_WORDS = 1_500
+MAX_BOOK_WORDS = 16_000
 MAX_GLUED = 20
 MAX_SUMMARY_BULLETS = 5
 
