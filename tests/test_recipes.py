@@ -77,7 +77,7 @@ CHAPTERS = {
         """,
     ),
     "05_warp_radius": (
-        (),
+        ("01_eager_baseline",),
         "",
         """
         small = (p_query[:100], p_ref, feats, prob.radius, prob.sigma)
@@ -86,10 +86,11 @@ CHAPTERS = {
         torch.library.opcheck(radius_aggregate, small)
         compiled = torch.compile(lambda *a: radius_aggregate(*a), fullgraph=True)
         assert torch.allclose(compiled(*small), want, atol=1e-5)
+        assert ours.shape == (500, 1) and torch.isfinite(ours).all()
         """,
     ),
     "06_warp_backward": (
-        (),
+        ("01_eager_baseline",),
         "",
         """
         q, grad_out = p_query[:100], torch.randn(100, prob.hidden)
@@ -107,6 +108,7 @@ CHAPTERS = {
             assert "p_query" in str(e), e
         else:
             raise AssertionError("a position gradient was not refused")
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
         """,
     ),
     "08_triton_knn": (
