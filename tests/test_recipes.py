@@ -128,6 +128,24 @@ CHAPTERS = {
         assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
         """,
     ),
+    "10_ptx_gather": (
+        ("01_eager_baseline",),
+        "dev = prob.device\nsearch = lambda q, r, k: knn(q, r, k)  # chapter 1's knn\n",
+        """
+        q, r = p_query[:64], p_ref[:256]
+        x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
+        out = knn_aggregate(q, r, x, prob.k, prob.sigma)
+        want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
+        assert torch.allclose(out, want, atol=1e-5), "output"
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        want.backward(grad_out)
+        assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+        d, i = knn(q, r, prob.k)
+        torch.library.opcheck(gather, (torch.softmax(-d / prob.sigma, 1), i, x))
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
+        """,
+    ),
     "08_triton_knn": (
         ("01_eager_baseline",),
         "import triton\nimport triton.language as tl\n",
