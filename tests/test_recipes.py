@@ -76,6 +76,21 @@ CHAPTERS = {
         assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0, "no q gradient"
         """,
     ),
+    "03_cuml_knn": (
+        ("01_eager_baseline",),
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n",
+        """
+        # cuML needs a CUDA GPU: here the operator runs its fake, as the compiler does
+        with FakeTensorMode():
+            q, r = torch.empty(10, 3, device="cuda"), torch.empty(50, 3, device="cuda")
+            d, i = knn(q, r, 7)
+        assert d.shape == (10, 7) and i.dtype == torch.int64, (d.shape, i.dtype)
+        assert d.device.type == "cuda", d.device
+        q, r = torch.empty(9, 3, device="meta"), torch.empty(50, 3, device="meta")
+        f = torch.empty(50, 4, device="meta")
+        assert knn_aggregate(q, r, f, 7, 0.1).shape == (9, 4)
+        """,
+    ),
     "05_warp_radius": (
         ("01_eager_baseline",),
         "",
