@@ -53,6 +53,21 @@ def _knn_aggregate_brute(q, r, f, k, sigma):
     return (torch.softmax(-d / sigma, dim=1)[:, :, None] * f[i]).sum(dim=1)
 
 
+def _check_knn_aggregate(aggregate):
+    # The reader's kNN aggregation against the brute force, on a slice: the output and
+    # the features' gradient. Returns the slice and the features.
+    q, r = p_query[:64], p_ref[:256]
+    x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
+    out = aggregate(q, r, x, prob.k, prob.sigma)
+    want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
+    assert torch.allclose(out, want, atol=1e-5), "output"
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    want.backward(grad_out)
+    assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+    return q, r, x
+
+
 def _radius_aggregate_brute(q, r, f, radius, sigma):
     d = _pairwise(q, r)
     w = torch.where(d <= radius, torch.exp(-d / sigma), 0.0)
@@ -130,15 +145,7 @@ CHAPTERS = {
         ("01_eager_baseline",),
         "",
         """
-        q, r = p_query[:64], p_ref[:256]
-        x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
-        out = knn_aggregate(q, r, x, prob.k, prob.sigma)
-        want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
-        assert torch.allclose(out, want, atol=1e-5), "output"
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-        want.backward(grad_out)
-        assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+        q, r, x = _check_knn_aggregate(knn_aggregate)
         torch.library.opcheck(torch.ops.tutorial.knn, (q, r, prob.k))
         assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
         """,
@@ -147,15 +154,7 @@ CHAPTERS = {
         ("01_eager_baseline",),
         "dev = prob.device\nsearch = lambda q, r, k: knn(q, r, k)  # chapter 1's knn\n",
         """
-        q, r = p_query[:64], p_ref[:256]
-        x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
-        out = knn_aggregate(q, r, x, prob.k, prob.sigma)
-        want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
-        assert torch.allclose(out, want, atol=1e-5), "output"
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-        want.backward(grad_out)
-        assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+        q, r, x = _check_knn_aggregate(knn_aggregate)
         d, i = knn(q, r, prob.k)
         torch.library.opcheck(gather, (torch.softmax(-d / prob.sigma, 1), i, x))
         assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
