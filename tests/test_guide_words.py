@@ -206,3 +206,21 @@ def test_the_fused_rows_quote_the_just_in_time_build_from_the_shipping_file():
     # without the shipping file the guide says nothing of a build it did not read
     plain = guide.guide(bench, clouds, times)["cost"]
     assert not plain.str.contains("prebuilt wheel").any()
+
+
+def test_the_glossary_says_what_its_variants_share():
+    # Each option's words must hold for every variant that carries it, whatever its
+    # backend (the floor carries +1thread too).
+    from extkernels import variants
+
+    def carrying(part):
+        return [v for v in variants.VARIANTS if part in v.name]
+
+    one_thread = carrying("+1thread")
+    assert one_thread and not any(v.backward_thread for v in one_thread)
+    if len({v.backend for v in one_thread}) > 1:
+        assert "Warp" not in guide.GLOSSARY["+1thread"], guide.GLOSSARY["+1thread"]
+    words = guide.GLOSSARY["warp-saved, warp-manual"]
+    assert all(v.options.get("handover") == "saved" for v in carrying("warp-saved"))
+    assert all(v.options.get("backward") == "manual" for v in carrying("warp-manual"))
+    assert "ctx" in words and "by hand" in words and "tape" not in words, words

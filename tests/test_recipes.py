@@ -53,16 +53,33 @@ def _knn_aggregate_brute(q, r, f, k, sigma):
     return (torch.softmax(-d / sigma, dim=1)[:, :, None] * f[i]).sum(dim=1)
 
 
+def _check_knn_aggregate(aggregate):
+    # The reader's kNN aggregation against the brute force, on a slice: the output and
+    # the features' gradient. Returns the slice and the features.
+    q, r = p_query[:64], p_ref[:256]
+    x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
+    out = aggregate(q, r, x, prob.k, prob.sigma)
+    want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
+    assert torch.allclose(out, want, atol=1e-5), "output"
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    want.backward(grad_out)
+    assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
+    return q, r, x
+
+
 def _radius_aggregate_brute(q, r, f, radius, sigma):
     d = _pairwise(q, r)
     w = torch.where(d <= radius, torch.exp(-d / sigma), 0.0)
     return w / w.sum(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny) @ f
 """
 
-#: Per chapter: the imports its recipe takes from a cell that also imports the book's
+#: Per chapter: the chapters whose recipes it builds on (chapter 1's projector and
+#: training loop), the imports it takes from a cell that also imports the book's
 #: package, and what the reader then does with the result (asserting what must hold).
 CHAPTERS = {
     "01_eager_baseline": (
+        (),
         "",
         """
         d, i = knn(p_query, p_ref, prob.k)
@@ -74,7 +91,23 @@ CHAPTERS = {
         assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0, "no q gradient"
         """,
     ),
+    "03_cuml_knn": (
+        ("01_eager_baseline",),
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n",
+        """
+        # cuML needs a CUDA GPU: here the operator runs its fake, as the compiler does
+        with FakeTensorMode():
+            q, r = torch.empty(10, 3, device="cuda"), torch.empty(50, 3, device="cuda")
+            d, i = knn(q, r, 7)
+        assert d.shape == (10, 7) and i.dtype == torch.int64, (d.shape, i.dtype)
+        assert d.device.type == "cuda", d.device
+        q, r = torch.empty(9, 3, device="meta"), torch.empty(50, 3, device="meta")
+        f = torch.empty(50, 4, device="meta")
+        assert knn_aggregate(q, r, f, 7, 0.1).shape == (9, 4)
+        """,
+    ),
     "05_warp_radius": (
+        ("01_eager_baseline",),
         "",
         """
         small = (p_query[:100], p_ref, feats, prob.radius, prob.sigma)
@@ -83,9 +116,11 @@ CHAPTERS = {
         torch.library.opcheck(radius_aggregate, small)
         compiled = torch.compile(lambda *a: radius_aggregate(*a), fullgraph=True)
         assert torch.allclose(compiled(*small), want, atol=1e-5)
+        assert ours.shape == (500, 1) and torch.isfinite(ours).all()
         """,
     ),
     "06_warp_backward": (
+        ("01_eager_baseline",),
         "",
         """
         q, grad_out = p_query[:100], torch.randn(100, prob.hidden)
@@ -103,22 +138,45 @@ CHAPTERS = {
             assert "p_query" in str(e), e
         else:
             raise AssertionError("a position gradient was not refused")
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
+        """,
+    ),
+    "09_cuda_knn": (
+        ("01_eager_baseline",),
+        "",
+        """
+        q, r, x = _check_knn_aggregate(knn_aggregate)
+        torch.library.opcheck(torch.ops.tutorial.knn, (q, r, prob.k))
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
+        """,
+    ),
+    "10_ptx_gather": (
+        ("01_eager_baseline",),
+        "dev = prob.device\nsearch = lambda q, r, k: knn(q, r, k)  # chapter 1's knn\n",
+        """
+        q, r, x = _check_knn_aggregate(knn_aggregate)
+        d, i = knn(q, r, prob.k)
+        torch.library.opcheck(gather, (torch.softmax(-d / prob.sigma, 1), i, x))
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
         """,
     ),
     "08_triton_knn": (
+        ("01_eager_baseline",),
         "import triton\nimport triton.language as tl\n",
         """
-        q, r = p_query[:64], p_ref[:256]
-        x, y = (feats[:256].clone().requires_grad_() for _ in range(2))
-        out, w, idx = knn_aggregate_t(q, r, x, prob.k, prob.sigma)
-        want = _knn_aggregate_brute(q, r, y, prob.k, prob.sigma)
+        clouds = (p_query, p_ref, feats)
+        mine = [t[:n].clone().requires_grad_() for t, n in zip(clouds, (64, 256, 256))]
+        brute = [t.clone().detach().requires_grad_() for t in mine]
+        out, w, idx = knn_aggregate_t(*mine, prob.k, prob.sigma)
+        want = _knn_aggregate_brute(*brute, prob.k, prob.sigma)
         assert torch.allclose(out, want, atol=1e-5), "output"
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
         want.backward(grad_out)
-        assert torch.allclose(x.grad, y.grad, atol=1e-5), "feats gradient"
-        torch.library.opcheck(knn_aggregate, (q, r, feats[:256], prob.k, prob.sigma))
-        torch.library.opcheck(knn_aggregate_t, (q, r, x, prob.k, prob.sigma))
+        for name, a, b in zip(("p_query", "p_ref", "feats"), mine, brute):
+            assert torch.allclose(a.grad, b.grad, atol=1e-4), f"{name} gradient"
+        torch.library.opcheck(knn_aggregate_t, (*mine, prob.k, prob.sigma))
+        assert len(ours) == 5 and all(map(math.isfinite, ours)), ours
         """,
     ),
 }
@@ -145,9 +203,10 @@ def test_recipe_names_nothing_of_the_book(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CHAPTERS))
 def test_recipe_runs_in_a_fresh_process_without_the_book(name, tmp_path):
-    imports, use = CHAPTERS[name]
+    needs, imports, use = CHAPTERS[name]
+    cells = [cell for chapter in (*needs, name) for cell in recipe(chapter)]
     script = "\n\n".join(
-        [PREAMBLE, imports, *recipe(name), textwrap.dedent(use), 'print("recipe ok")']
+        [PREAMBLE, imports, *cells, textwrap.dedent(use), 'print("recipe ok")']
     )
     (tmp_path / "recipe.py").write_text(script)  # Triton and Warp read their sources
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")

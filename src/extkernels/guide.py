@@ -64,8 +64,9 @@ GLOSSARY = {
     "cuml": "cuML's NearestNeighbors called from Python (chapter 3)",
     "cuml-op": "cuML's search registered as a custom operator (chapter 3)",
     "warp": "NVIDIA Warp's hash grid as a custom operator (chapters 5 to 7)",
-    "warp-saved, warp-manual": "Warp's backward from saved neighbours, or written by "
-    "hand instead of Warp's tape (chapter 6)",
+    "warp-saved, warp-manual": "Warp's operator handing the normalisers to its "
+    "backward through ctx and building the grid again, or with a backward kernel "
+    "written by hand instead of Warp's adjoint (chapter 6)",
     "triton": "a grid search written in Triton (chapter 8)",
     "cpp": "a grid search in CUDA C++, one thread per query (chapter 9)",
     "ptx": "chapter 9's search with a gather written in PTX through pyptx (chapter 10)",
@@ -81,7 +82,8 @@ GLOSSARY = {
     "(chapter 7)",
     "+rmm, +rmm-rapids": "PyTorch and RAPIDS sharing one RMM pool, or only RAPIDS "
     "in it (chapter 4)",
-    "+1thread": "Warp's backward on the calling thread (chapter 7)",
+    "+1thread": "autograd runs the whole backward on the calling thread instead of its "
+    "device thread (chapter 7)",
     "@panda, @spitfire, @outlier": "the reference cloud sampled on a CAD mesh or "
     "with a far outlier (chapter 14); without it, the book's cloud",
 }
