@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import extkernels
-from extkernels import clouds
+from extkernels import clouds, results
 from extkernels.experiments import geometry
 
 
@@ -112,7 +112,7 @@ def test_the_table_gives_each_methods_median_and_spread_over_runs():
 
 
 def test_targets_say_which_cloud_misses_which_goal():
-    goals = geometry.targets(geometry.table(_runs()))
+    goals = results.targets(geometry.table(_runs()))
     assert goals.loc["normal", "ms at 10⁶"] == pytest.approx(1.0)
     assert goals.loc["normal", "x cuml at 10⁶"] == pytest.approx(20.0)
     assert goals.loc["normal"][["≤ 0.5 ms", "≤ 2 ms", "≥ 10×"]].all()
@@ -177,7 +177,7 @@ def test_radius_targets_compare_each_cloud_with_the_books():
         for g in clouds.GEOMETRIES
         for m in geometry.RADIUS
     ]
-    goals = geometry.radius_targets(geometry.table(rows))
+    goals = results.radius_targets(geometry.table(rows))
     assert goals.loc["clusters", "fused-radius / normal"] == pytest.approx(3.0)
     assert goals.loc["clusters", "warp-radius"] == pytest.approx(6.0)
     assert not goals.loc["clusters", "≤ 2× normal"]
@@ -200,12 +200,11 @@ def test_the_chapters_quotes_read_the_tables_in_plain_python():
         for g in clouds.GEOMETRIES
     ]
     t = geometry.table(_runs() + grid_small)
-    q = geometry_report.tree_quotes(t, geometry.targets(t))
+    q = geometry_report.tree_quotes(t)
     assert q["normal_tree_ms"] == pytest.approx(0.1)
     assert q["normal_grid_ms"] == pytest.approx(0.05)
     assert q["tree_max_large_cloud"] == "shell"
     assert q["tree_max_large"] == pytest.approx(6.0)
-    assert q["tree_missed"] == "shell"
     assert q["tree_min_x_cuml"] == pytest.approx(20 / 6, abs=1e-3)
     assert all(type(v) in (float, str) for v in q.values())
     grid = [
@@ -216,19 +215,6 @@ def test_the_chapters_quotes_read_the_tables_in_plain_python():
     cliff = geometry_report.cliff_quotes(geometry.table(grid))
     assert cliff["grid_worst"] == "panda" and cliff["grid_worst_x_normal"] == 200.0
     assert cliff["grid_worst_x_cuml"] == pytest.approx(4.0)
-
-
-def test_traits_quotes_name_the_methods_that_wait_or_capture():
-    from extkernels.experiments import geometry_report
-
-    props = pd.DataFrame(
-        {"waits": [False, True, True], "captures": [True, False, False]},
-        index=["fused", "cuml", "cuvs"],
-    )
-    assert geometry_report.traits_quotes(props) == {
-        "methods_waiting": "cuml, cuvs",
-        "methods_capturing": "fused",
-    }
 
 
 def test_mesh_quotes_take_the_worst_ratio_of_the_tree_on_a_mesh():
@@ -244,7 +230,7 @@ def test_mesh_quotes_take_the_worst_ratio_of_the_tree_on_a_mesh():
         rows, columns=["variant", "cloud", "forward / normal", "train / normal"]
     ).set_index(["variant", "cloud"])
     q = geometry_report.mesh_quotes(on_clouds)
-    assert q == {"mesh_worst": 1.3, "radius_mesh_fwd": 1.7, "radius_mesh_train": 1.2}
+    assert q == {"mesh_worst": 1.3, "radius_mesh_fwd": 1.7}
 
 
 def test_radius_pairs_count_the_neighbours_of_every_query():
@@ -261,29 +247,3 @@ def test_radius_pairs_count_the_neighbours_of_every_query():
     assert pairs.loc["panda", "most in one query"] == within.sum(1).max().item()
     share = 100 * within.any(1).double().mean().item()
     assert pairs.loc["panda", "queries with any (%)"] == pytest.approx(share)
-
-
-def test_radius_against_warp_says_where_the_ranges_are_apart():
-    from extkernels.experiments import geometry_report
-
-    def runs(ours, warp):
-        return [
-            {"geometry": g, "n": 25_000, "method": m, "run": r, "ms": ms + 0.01 * r}
-            for g in ours
-            for m, ms in (("fused-radius", ours[g]), ("warp-radius", warp[g]))
-            for r in range(3)
-        ]
-
-    apart = geometry.table(
-        runs({"normal": 1.0, "panda": 1.0}, {"normal": 2, "panda": 3})
-    )
-    assert geometry_report.radius_vs_warp_quotes(apart) == {
-        "radius_vs_warp": "on every cloud, beyond the spread of the runs"
-    }
-    mixed = runs(
-        {"normal": 1.0, "panda": 1.0, "slab": 2.0},
-        {"normal": 2, "panda": 1.01, "slab": 1},
-    )
-    q = geometry_report.radius_vs_warp_quotes(geometry.table(mixed))["radius_vs_warp"]
-    assert q.startswith("on normal, beyond the spread of the runs; on panda its median")
-    assert q.endswith("; on slab Warp's median is the lower")

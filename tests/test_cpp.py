@@ -405,25 +405,17 @@ def test_chapter_9s_quotes_read_the_right_rows():
             "knn/floor+graphs": (0.07, 0.36),
         }
     )
-    quotes = cuda_knn.timing_quotes(table)
-    assert quotes["graphs_train_ms"] == 0.56 and quotes["triton_ro_fwd_ms"] == 0.35
-    assert quotes["compiled_vs_eager_forward"] == "faster than"
-    assert quotes["compiled_vs_eager_train"] == "within the run-to-run spread of"
-    assert quotes["triton_vs_cpp_ro_train"] == "slower than"  # 1.6 against 1.5
+    assert cuda_knn.timing_quotes(table) == {
+        "graphs_train_ms": 0.56,
+        "ro_train_ms": 1.5,
+    }
 
 
-def test_chapter_9s_profile_quotes_count_what_they_name():
+def test_chapter_9s_vector_load_quote_is_the_gathers_ratio():
     import pandas as pd
 
     from extkernels.experiments import cuda_knn
 
-    launches = pd.DataFrame(
-        {"name": ["cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernel"]}
-    ).assign(calls=[9.0, 2.0, 1.0])
-    assert cuda_knn.launch_quotes(launches) == {
-        "ro_graph_launches": 2.0,
-        "ro_kernel_launches": 10.0,
-    }
     loads = pd.DataFrame(
         {"ms (do_bench)": [0.02, 0.01]},
         index=[

@@ -189,15 +189,8 @@ def test_chapter_3_timing_numbers_quote_the_table():
         }
     )
     numbers = cuml_search.timing_numbers(table)
-    assert numbers == {
-        "cuml_speedup": 8.0,
-        "cuml_fwd_ms": 10.0,
-        "cuml_op_eager_fwd_ms": 11.0,
-        "cuml_plain_fwd_ms": 9.0,
-        "op_vs_plain": "slower than",
-        "compiled_vs_eager_op": "within the run-to-run spread of",
-    }
-    assert all(type(v) in (float, str) for v in numbers.values())
+    assert numbers == {"cuml_speedup": 8.0, "cuml_fwd_ms": 10.0}
+    assert all(type(v) is float for v in numbers.values())
 
 
 @pytest.mark.gpu

@@ -21,14 +21,7 @@ HIDDEN = {"remove-cell", "remove-input"}
 
 #: Pages whose stored cells still read a hidden cell's name (page, name): each goes when
 #: the page is executed again with the name defined in a visible cell.
-KNOWN = {
-    ("14_real_clouds", "geometry_report"),
-    ("results", "meta"),
-    ("results", "plotting"),
-    ("results", "results"),
-    ("results", "table"),
-    ("results", "variants"),
-}
+KNOWN: set[tuple[str, str]] = set()
 
 _SCOPES = (
     ast.FunctionDef,

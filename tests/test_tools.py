@@ -546,21 +546,6 @@ def test_verdict_claims_a_difference_only_when_the_ranges_do_not_overlap(
     assert timing.verdict(timing.timings_frame(rows), "a", "b").startswith(expected)
 
 
-@pytest.mark.parametrize(
-    "runs, expected",
-    [
-        ((0.6, 0.8), "above the 0.50 ms goal in every run"),
-        ((0.3, 0.4), "within the 0.50 ms goal in every run"),
-        ((0.4, 0.6), "within the 0.50 ms goal in some runs only"),
-    ],
-)
-def test_against_goal_says_where_every_run_lies(runs, expected):
-    rows = [{"variant": "a", "forward_ms": f, "train_ms": f} for f in runs]
-    text = timing.against_goal(timing.timings_frame(rows), "a", "train", 0.5)
-    assert text.endswith(expected), text
-    assert text.startswith(f"{sum(runs) / 2:.3f} ms")
-
-
 @pytest.mark.gpu
 def test_device_quantiles_leave_the_host_out():
     if not torch.cuda.is_available():
@@ -601,23 +586,6 @@ def _frame(ms: dict[str, tuple[float, float]]):
     return timing.timings_frame(
         [{"variant": v, "forward_ms": f, "train_ms": t} for v, (f, t) in ms.items()]
     )
-
-
-def test_against_goals_flags_a_variant_only_when_both_goals_hold():
-    df = _frame({"a": (0.2, 0.4), "b": (0.2, 0.9), "ref": (2.0, 4.0)})
-    out = timing.against_goals(df, {"a": (0.3, 0.5), "b": (0.3, 0.5)}, reference="ref")
-    assert out["met"].tolist() == [True, False]
-    assert out.loc["b", "× ref forward"] == pytest.approx(10.0)
-    assert out.loc["a", "× ref training"] == pytest.approx(10.0)
-
-
-def test_against_goals_meets_a_goal_only_when_the_slowest_run_does():
-    rows = [
-        {"variant": "v", "forward_ms": f, "train_ms": 0.4} for f in (0.25, 0.28, 0.32)
-    ]
-    out = timing.against_goals(timing.timings_frame(rows), {"v": (0.3, 0.5)})
-    assert out.loc["v", "forward ms"] == pytest.approx(0.28)  # the median is within
-    assert not out.loc["v", "met"]  # and the slowest run is not
 
 
 def test_chapter_14_goals_hold_only_when_every_run_holds_them():
@@ -866,11 +834,10 @@ def test_the_guide_gives_the_warm_first_call_where_the_benchmark_measured_it():
     assert "(0.2 s with the compilers' caches warm)" in warm
 
 
-def test_the_answer_reads_the_fastest_steps_and_the_verdicts_from_the_files():
+def test_the_answer_reads_the_fastest_steps_from_the_files():
     data = Path(__file__).parents[1] / "book" / "data"
     _, bench = results.load(data / "benchmark-h200.json")
-    _, clouds = results.load(data / "benchmark-clouds-h200.json")
-    q = results.answer_quotes(bench, clouds)
+    q = results.variant_quotes(results.by_workload(bench))
     exact = bench[~results.is_floor(bench)]
     knn = exact[exact.index.str.startswith("knn/")].sort_values("train_ms")
     best = knn.index[0]
@@ -880,35 +847,7 @@ def test_the_answer_reads_the_fastest_steps_and_the_verdicts_from_the_files():
     assert q["knn_best_train"] == knn["train_ms"].iloc[0]
     assert "floor" not in q["radius_best"]
     bench.loc["knn/cuml", ["train_ms", "train_min", "train_max"]] = 0.001
-    assert results.answer_quotes(bench, clouds)["knn_best"] == "knn/cuml"
-    clouds.loc["knn/fused-grid+graphs", ["train_min", "train_max"]] = 0.0, 99.0
-    assert results.answer_quotes(bench, clouds)["grid_vs_tree"].startswith("within")
-    clouds.loc["knn/fused-grid+graphs", ["train_min", "train_max"]] = 99.0, 99.5
-    assert results.answer_quotes(bench, clouds)["grid_vs_tree"] == "slower than"
-
-
-def test_the_answer_sets_the_tree_beside_the_fastest_other_backend_by_the_ranges():
-    data = Path(__file__).parents[1] / "book" / "data"
-    _, bench = results.load(data / "benchmark-h200.json")
-    _, clouds = results.load(data / "benchmark-clouds-h200.json")
-    cols = ["train_ms", "train_min", "train_max"]
-    knn, fused = (bench.index.str.startswith(w) for w in ("knn/", "knn/fused"))
-    bench.loc[knn & fused, cols] = 3.0, 2.9, 3.1  # every fused variant, then the
-    bench.loc[knn & ~fused, cols] = 5.0, 4.9, 5.1  # others, slower than those below
-    bench.loc["knn/cpp+graphs", cols] = 1.0, 0.9, 1.1
-    bench.loc["knn/ptx+graphs", cols] = 1.2, 1.1, 1.3
-    bench.loc["knn/fused+compile+graphs", cols] = 0.5, 0.4, 0.6
-    q = results.answer_quotes(bench, clouds)
-    assert q["knn_tree_variant"] == "knn/fused+compile+graphs"
-    assert q["knn_rival"] == "knn/cpp+graphs" and q["knn_rival_train"] == 1.0
-    assert q["knn_tree_vs_rival"].startswith("shorter")
-    bench.loc["knn/fused+compile+graphs", cols] = 1.05, 1.0, 1.2
-    q = results.answer_quotes(bench, clouds)
-    assert q["knn_tree_vs_rival"].startswith("within")
-    bench.loc["knn/fused+compile+graphs", cols] = 4.0, 3.9, 4.1
-    q = results.answer_quotes(bench, clouds)
-    assert q["knn_tree_vs_rival"].startswith("longer")
-    assert q["knn_tree_variant"] != "knn/fused+compile+graphs"  # another is shorter
+    assert results.variant_quotes(results.by_workload(bench))["knn_best"] == "knn/cuml"
 
 
 def _broken(x):
@@ -949,3 +888,30 @@ def test_fake_tensors_run_an_operator_without_data():
         y = torch.mm(x, x.T)
     assert y.shape == (4, 4)
     assert type(y).__name__ == "FakeTensor"
+
+
+@pytest.mark.parametrize(
+    "b_runs, overlap",
+    [((3.0, 4.0), False), ((0.1, 0.5), False), ((1.5, 9.0), True), ((2.0, 2.0), True)],
+)
+def test_compare_gives_the_ratio_of_medians_and_whether_the_ranges_overlap(
+    b_runs, overlap
+):
+    rows = [{"variant": "a", "forward_ms": f, "train_ms": 2 * f} for f in (1.0, 2.0)]
+    rows += [{"variant": "b", "forward_ms": f, "train_ms": 2 * f} for f in b_runs]
+    df = timing.timings_frame(rows)
+    out = timing.compare(df, {"a against b": ("a", "b")}, "forward")
+    row = out.loc["a against b"]
+    assert row["ranges overlap"] is overlap
+    assert row["a / b"] == pytest.approx(1.5 / (sum(b_runs) / 2))
+    assert row["a range"] == "1.000–2.000"
+    train = timing.compare(df, {"x": ("a", "b")}, "train").loc["x"]
+    assert train["a ms"] == pytest.approx(3.0)  # the training column, not forward's
+
+
+def test_compare_names_what_it_cannot_compare():
+    df = timing.timings_frame([{"variant": "a", "forward_ms": 1.0, "train_ms": 1.0}])
+    with pytest.raises(KeyError, match="'b'"):
+        timing.compare(df, {"x": ("a", "b")})
+    with pytest.raises(ValueError, match="metric"):
+        timing.compare(df, {"x": ("a", "a")}, "backward")

@@ -941,23 +941,21 @@ def test_forward_numbers_of_chapter_5():
         }
     )
     numbers = wr.forward_numbers(table)
-    assert numbers["radius_eager_fwd_ms"] == 20.0
+    assert set(numbers) == {"radius_warp_eager_speedup", "radius_mem_ratio"}
     assert numbers["radius_warp_eager_speedup"] == pytest.approx(20.0 / 0.55)
-    assert numbers["warp_compiled_vs_eager"] == "slower than"
     assert numbers["radius_mem_ratio"] == 25.0
-    assert all(type(v) in (float, str) for v in numbers.values())
+    assert all(type(v) is float for v in numbers.values())
 
 
 def test_training_numbers_of_chapter_6():
-    names = list(wr.TRAINING_VARIANTS)
+    names = ["radius/warp", "radius/warp+compile", "radius/warp+reduce-overhead"]
     table = timing_table(
         {name: ([1.0, 1.0], [2.0 + i, 2.1 + i]) for i, name in enumerate(names)}
     )
     numbers = wr.training_numbers(table)
+    assert set(numbers) == {"eager_train_ms", "adjoint_train_ms"}
     assert numbers["eager_train_ms"] == pytest.approx(2.05)
-    assert numbers["ro_train_ms"] == pytest.approx(6.05)
-    assert numbers["compiled_vs_eager"] == "slower than"
-    assert numbers["saved_vs_pool"] == "slower than"
+    assert numbers["adjoint_train_ms"] == pytest.approx(3.05)
 
 
 def test_host_profiles_and_numbers_of_chapter_5():
@@ -967,9 +965,9 @@ def test_host_profiles_and_numbers_of_chapter_5():
     tables = wr.host_profiles(
         {"eager": model}, p_query, p_ref, device=torch.device("cpu"), n_iters=2
     )
+    assert len(tables["eager"]) > 0
     numbers = wr.host_numbers(tables)
-    assert set(numbers) == {"host_eager_ms", "host_eager_ops"}
-    assert numbers["host_eager_ops"] == len(tables["eager"]) > 0
+    assert set(numbers) == {"host_eager_ms"}
     assert numbers["host_eager_ms"] > 0
 
 
@@ -997,11 +995,10 @@ def test_launch_and_deferred_numbers_of_chapter_7():
         index=["SquaresNaive", "SquaresFixed"],
     )
     numbers = wi.deferred_numbers(deferred)
-    assert numbers["deferred_kernels_SquaresNaive"] == 12.0
-    assert numbers["deferred_gain"] == pytest.approx(3.0)
+    assert numbers == {"deferred_gain": pytest.approx(3.0)}
 
 
-def test_thread_and_graph_numbers_of_chapter_7():
+def test_graph_numbers_of_chapter_7():
     table = timing_table(
         {
             "radius/warp": ([0.6, 0.6], [2.4, 2.5]),
@@ -1011,15 +1008,8 @@ def test_thread_and_graph_numbers_of_chapter_7():
             "radius/warp+graphs": ([0.2, 0.2], [0.5, 0.5]),
         }
     )
-    threads = wi.thread_numbers(table)
-    assert threads["train_ms_eager_1t"] == 1.6
-    assert threads["thread_gain"] == pytest.approx(2.45 / 1.6)
-    assert threads["thread_eager"] == "faster than"
-    assert threads["thread_compiled"] == "within the run-to-run spread of"
-    assert threads["thread_fwd"] == "within the run-to-run spread of"
     graphed = wi.graph_numbers(table)
-    assert graphed["g_train_graphs"] == 0.5
-    assert graphed["g_forward_gain"] == pytest.approx(3.0)
+    assert graphed == {"g_train_gain": pytest.approx(2.45 / 0.5)}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1099,7 +1089,7 @@ def test_the_steps_are_timed_in_order_against_the_step_before():
     assert ratio.iloc[1] == pytest.approx(first / second)
 
 
-def test_the_ladder_verdict_names_the_steps_that_do_not_pay():
+def test_the_ladder_numbers_are_the_gains_the_chapter_quotes():
     from extkernels.experiments import warp_steps
 
     names = [
@@ -1119,29 +1109,6 @@ def test_the_ladder_verdict_names_the_steps_that_do_not_pay():
         index=pd.Index(names, name="step"),
     )
     quoted = warp_steps.ladder_numbers(table)
+    assert set(quoted) == {"steps_grid_gain", "steps_total_gain"}
     assert quoted["steps_grid_gain"] == pytest.approx(10.0)
     assert quoted["steps_total_gain"] == pytest.approx(10.0 / 0.3)
-    assert (
-        "slower than the step before it: shifted, two walks" in quoted["steps_verdict"]
-    )
-    assert "noise" not in quoted["steps_verdict"]
-    table.loc["online, one walk", ["ms per call", "fastest", "slowest"]] = [
-        1.1,
-        1.0,
-        1.3,
-    ]
-    verdict = warp_steps.ladder_numbers(table)["steps_verdict"]
-    assert (
-        "within the noise of the step before it (the ranges overlap): online, one walk"
-        in verdict
-    )
-    table["ms per call"] = table["fastest"] = table["slowest"] = [
-        10.0,
-        1.0,
-        0.9,
-        0.5,
-        0.3,
-    ]
-    assert warp_steps.ladder_numbers(table)["steps_verdict"].startswith(
-        "Every step is faster"
-    )

@@ -17,7 +17,6 @@ import pandas as pd
 
 from . import clouds
 from .reference import anchor_figures, not_like_for_like
-from .timing import ranked as order_of
 from .timing import summary, verdict
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "targets",
     "radius_targets",
     "variant_quotes",
-    "answer_quotes",
 ]
 
 
@@ -315,60 +313,4 @@ def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | st
         out[f"{key}_best_fwd"] = float(exact["forward_ms"].min())
         out[f"{key}_worst_train"] = float(exact["train_ms"].iloc[-1])
         out[f"{key}_n_variants"] = len(part)
-    return out
-
-
-def _tree_vs_grids(knn: pd.DataFrame) -> dict[str, float | str]:
-    """The fused tree's shortest training step (``knn``: the exact kNN variants sorted
-    by ``train_ms``) against the shortest of every other backend's, and why, in words
-    that follow the ranges of the runs."""
-    fused = knn[knn.index.str.startswith("knn/fused")]
-    other = knn[~knn.index.str.startswith("knn/fused")]
-    tree, rival = fused.index[0], other.index[0]
-    order = order_of(
-        (knn.at[tree, "train_min"], knn.at[tree, "train_max"]),
-        (knn.at[rival, "train_min"], knn.at[rival, "train_max"]),
-        same="within",
-    )
-    why = {
-        "faster than": "shorter, beyond the spread of the runs, although on a blob "
-        "the tree's build (a radix sort of the points) costs more than a grid's "
-        "counting sort: chapter 14 times the fused backend on both in the same step",
-        "within": "within the spread of the runs: on a blob the tree's build (a "
-        "radix sort of the points) costs about what its search saves",
-        "slower than": "longer, beyond the spread of the runs: on a blob the tree "
-        "pays for its build (a radix sort of the points) and for a search the blob "
-        "does not need",
-    }[order]
-    return {
-        "knn_tree_variant": tree,
-        "knn_tree_best_train": float(knn.at[tree, "train_ms"]),
-        "knn_rival": rival,
-        "knn_rival_train": float(knn.at[rival, "train_ms"]),
-        "knn_tree_vs_rival": why,
-    }
-
-
-def answer_quotes(table: pd.DataFrame, clouds: pd.DataFrame) -> dict:
-    """The numbers the page's answer reads: :func:`variant_quotes` of the benchmark
-    ``table`` (the fastest training step of each workload on the book's cloud, its
-    runner-up, floors left out), the fused tree's step in one graph, and in words (by
-    the ranges of the runs) the tree's shortest step against every other backend's
-    (:func:`_tree_vs_grids`), the fused grid against the tree on the book's cloud
-    (chapter 14's ``clouds`` file, which times both) and the fused radius walk against
-    Warp's hash grid."""
-    ranked = table[~is_floor(table)].sort_values("train_ms")
-    parts = {
-        f"{w} projector": ranked[ranked.index.str.startswith(f"{w.lower()}/")]
-        for w in ("kNN", "radius")
-    }
-    out = variant_quotes(parts)
-    out["knn_tree_train"] = float(table.loc["knn/fused+compile+graphs", "train_ms"])
-    out.update(_tree_vs_grids(parts["kNN projector"]))
-    grid, tree = "knn/fused-grid+graphs", "knn/fused+graphs"
-    out["grid_train"] = float(clouds.loc[grid, "train_ms"])
-    out["tree_train_beside_grid"] = float(clouds.loc[tree, "train_ms"])
-    out["grid_vs_tree"] = verdict(clouds, grid, tree, "train")
-    fused, warp = "radius/fused+compile+graphs", "radius/warp+graphs"
-    out["radius_fused_vs_warp"] = verdict(table, fused, warp, "train")
     return out

@@ -39,9 +39,9 @@ __all__ = [
     "peak_memory_mb",
     "timings_frame",
     "summary",
+    "compare",
     "verdict",
     "ranked",
-    "against_goals",
     "above_floor",
     "forward_peak_mb",
 ]
@@ -243,6 +243,41 @@ def summary(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     return out.rename_axis("variant")
 
 
+def compare(
+    df: pd.DataFrame, pairs: dict[str, tuple[str, str]], metric: str = "train"
+) -> pd.DataFrame:
+    """Numbers for comparing variants, no words: for each ``label -> (a, b)``, both
+    medians of ``metric`` (``forward`` or ``train``) with their runs' range, the ratio
+    of the medians ``a / b`` (below 1: ``a`` took less time), and whether the two
+    ranges overlap. The page's sentence, written by a person, reads these.
+
+    Args:
+        df: from :func:`timings_frame`, one host's runs.
+        pairs: label -> (variant a, variant b), both rows of ``df``.
+        metric: ``"forward"`` or ``"train"``.
+    """
+    if metric not in ("forward", "train"):
+        raise ValueError(f"metric must be 'forward' or 'train', got {metric!r}")
+    med, lo, hi = f"{metric}_ms", f"{metric}_min", f"{metric}_max"
+    rows = {}
+    for label, (a, b) in pairs.items():
+        for name in (a, b):
+            if name not in df.index:
+                raise KeyError(f"variant {name!r} is not in the table")
+        ra, rb = df.loc[a], df.loc[b]
+        rows[label] = {
+            "a": a,
+            "b": b,
+            "a ms": ra[med],
+            "a range": f"{ra[lo]:.3f}–{ra[hi]:.3f}",
+            "b ms": rb[med],
+            "b range": f"{rb[lo]:.3f}–{rb[hi]:.3f}",
+            "a / b": ra[med] / rb[med],
+            "ranges overlap": bool(ra[lo] <= rb[hi] and rb[lo] <= ra[hi]),
+        }
+    return pd.DataFrame(rows).T.rename_axis("comparison")
+
+
 def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
     """How variant ``a`` compares with ``b`` in ``metric`` (``forward`` or ``train``),
     for prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated
@@ -255,18 +290,6 @@ def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
     )
 
 
-def against_goal(df: pd.DataFrame, name: str, metric: str, goal: float) -> str:
-    """Where variant ``name``'s repeated runs of ``metric`` (``forward`` or ``train``)
-    lie against a goal in ms, for prose: its median, then "within" or "above" the goal
-    "in every run", or "within … in some runs only" when the runs straddle it."""
-    median = df.loc[name, f"{metric}_ms"]
-    met = within_goal(df.loc[name], metric, goal)
-    if met is None:
-        return f"{median:.3f} ms, within the {goal:.2f} ms goal in some runs only"
-    where = "within" if met else "above"
-    return f"{median:.3f} ms, {where} the {goal:.2f} ms goal in every run"
-
-
 def ranked(a: tuple[float, float], b: tuple[float, float], *, same: str) -> str:
     """``"faster than"`` when time range ``a = (low, high)`` lies wholly below ``b``,
     ``"slower than"`` when wholly above, otherwise ``same`` (the ranges overlap)."""
@@ -275,52 +298,6 @@ def ranked(a: tuple[float, float], b: tuple[float, float], *, same: str) -> str:
     if a[0] > b[1]:
         return "slower than"
     return same
-
-
-def within_goal(row: pd.Series, metric: str, goal: float) -> bool | None:
-    """Whether every run of a variant (a row of :func:`timings_frame`) stayed within
-    ``goal`` ms in ``metric`` (``forward`` or ``train``): ``True`` when its slowest run
-    did, ``False`` when its fastest did not, ``None`` when its runs lie on both sides.
-    Without the runs' range, the median decides."""
-    low = row.get(f"{metric}_min", row[f"{metric}_ms"])
-    high = row.get(f"{metric}_max", row[f"{metric}_ms"])
-    return True if high <= goal else False if low > goal else None
-
-
-def against_goals(
-    df: pd.DataFrame,
-    goals: dict[str, tuple[float, float]],
-    reference: str | None = None,
-) -> pd.DataFrame:
-    """Variants beside their goals: median forward and training ms, each goal, whether
-    both are met in every run (the slowest within each goal), and the speedups of the
-    medians over ``reference`` where given.
-
-    Args:
-        df: from :func:`timings_frame`.
-        goals: variant -> ``(forward ms, training ms)`` it should stay within.
-        reference: a variant of ``df`` to take speedups over (``× <reference>``).
-    """
-    rows = {}
-    for name, (fwd, train) in goals.items():
-        row = df.loc[name]
-        rows[name] = {
-            "forward ms": row["forward_ms"],
-            "forward goal": fwd,
-            "training ms": row["train_ms"],
-            "training goal": train,
-        }
-        if reference is not None:
-            ref = df.loc[reference]
-            rows[name]["× ref forward"] = ref["forward_ms"] / row["forward_ms"]
-            rows[name]["× ref training"] = ref["train_ms"] / row["train_ms"]
-    out = pd.DataFrame(rows).T
-    out["met"] = [
-        within_goal(df.loc[name], "forward", fwd) is True
-        and within_goal(df.loc[name], "train", train) is True
-        for name, (fwd, train) in goals.items()
-    ]
-    return out
 
 
 def above_floor(df: pd.DataFrame, pairs: dict[str, tuple[str, str]]) -> pd.DataFrame:

@@ -15,23 +15,19 @@ import torch
 
 from ..ops.checks import value_checks
 from ..profiling import profile, runtime_calls
-from ..timing import verdict
 
 __all__ = [
     "vector_loads",
     "launches",
     "vector_load_quotes",
     "timing_quotes",
-    "launch_quotes",
 ]
 
-#: The variants whose medians the prose quotes, by the prefix of their glue keys.
+#: The variants whose training medians the prose quotes, by the prefix of their glue
+#: keys.
 QUOTED = {
-    "eager": "knn/cpp",
-    "compiled": "knn/cpp+compile",
     "graphs": "knn/cpp+graphs",
     "ro": "knn/cpp+reduce-overhead",
-    "triton_ro": "knn/triton+reduce-overhead",
 }
 
 #: The runtime calls that launch work on the GPU: a CUDA graph, or one kernel.
@@ -96,33 +92,11 @@ def vector_load_quotes(loads: pd.DataFrame) -> dict[str, float]:
     return {"float4_gain": float(gain)}
 
 
-def timing_quotes(table: pd.DataFrame) -> dict[str, float | str]:
+def timing_quotes(table: pd.DataFrame) -> dict[str, float]:
     """The medians the prose quotes from chapter 9's benchmark table (from
-    :func:`~extkernels.benchmark.run_all`): ``<prefix>_fwd_ms`` and
-    ``<prefix>_train_ms`` for each variant of :data:`QUOTED`, and
-    ``compiled_vs_eager_forward`` / ``_train``, the compiled projector against the eager
-    one in words (:func:`~extkernels.timing.verdict`), and ``triton_vs_cpp_ro_train``,
-    chapter 8's Triton projector against this one, both through
-    ``mode="reduce-overhead"``."""
-    out: dict[str, float | str] = {}
-    for prefix, name in QUOTED.items():
-        out[f"{prefix}_fwd_ms"] = float(table.loc[name, "forward_ms"])
-        out[f"{prefix}_train_ms"] = float(table.loc[name, "train_ms"])
-    for metric in ("forward", "train"):
-        out[f"compiled_vs_eager_{metric}"] = verdict(
-            table, "knn/cpp+compile", "knn/cpp", metric
-        )
-    out["triton_vs_cpp_ro_train"] = verdict(
-        table, QUOTED["triton_ro"], QUOTED["ro"], "train"
-    )
-    return out
-
-
-def launch_quotes(table: pd.DataFrame) -> dict[str, float]:
-    """``ro_graph_launches`` and ``ro_kernel_launches`` per step, from
-    :func:`launches`'s table (chapter 9)."""
-    out = {}
-    for label, prefix in (("graph", GRAPH_LAUNCHES), ("kernel", KERNEL_LAUNCHES)):
-        calls = table.loc[table["name"].str.startswith(prefix), "calls"].sum()
-        out[f"ro_{label}_launches"] = float(calls)
-    return out
+    :func:`~extkernels.benchmark.run_all`): ``<prefix>_train_ms`` for each variant of
+    :data:`QUOTED`."""
+    return {
+        f"{prefix}_train_ms": float(table.loc[name, "train_ms"])
+        for prefix, name in QUOTED.items()
+    }

@@ -34,7 +34,7 @@ from ..notebook import versions
 from ..ops import fused, knn, radius_aggregate
 from ..ops.checks import value_checks
 from ..problem import problem
-from ..results import at_size, radius_targets, targets
+from ..results import at_size
 from ..timing import time_blocks, time_fn
 
 __all__ = [
@@ -47,10 +47,8 @@ __all__ = [
     "load",
     "main",
     "merge_into",
-    "radius_targets",
     "searcher",
     "table",
-    "targets",
     "time_method",
     "work_table",
 ]

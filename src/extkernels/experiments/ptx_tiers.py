@@ -6,7 +6,7 @@ in a CUDA graph); :func:`kernel_times` times the same gather and scatter written
 C++, Triton and PTX on the device; :func:`build_costs` measures pyptx's build per shape
 and :func:`bucket_builds` what padding to buckets saves; :func:`compile_directly` asks
 ``torch.compile`` to trace pyptx's kernel object itself. All these but
-:func:`bucket_builds` need a Hopper GPU. The ``*_glue`` functions give the numbers the
+:func:`bucket_builds` need a Hopper GPU. :func:`call_costs_glue` gives the number the
 chapter's prose quotes.
 """
 
@@ -24,13 +24,7 @@ from ..graphs import CapturedStep
 from ..ops.checks import value_checks
 from ..ops.ptx import kernels
 from ..ops.triton import ops as triton_ops
-from ..timing import (
-    device_quantiles,
-    first_call_seconds,
-    ranked,
-    time_blocks,
-    verdict,
-)
+from ..timing import device_quantiles, first_call_seconds, time_blocks
 
 __all__ = [
     "builds",
@@ -38,22 +32,14 @@ __all__ = [
     "call_costs",
     "kernel_times",
     "build_costs",
-    "compare",
     "bucket",
     "bucket_builds",
     "compile_directly",
     "call_costs_glue",
-    "kernel_times_glue",
-    "projector_glue",
 ]
 
 #: The rows of :func:`call_costs` the prose quotes, by glue key (``<key>_us``).
 CALL_ROWS = {
-    "kernel_object": "pyptx kernel object (its C++ bridge)",
-    "pyptx_op": "pyptx's operator (pyptx::kernel_<handle>)",
-    "our_op": "extkernels_ptx::gather (checks + kernel)",
-    "compiled": "extkernels_ptx::gather, torch.compile(fullgraph=True)",
-    "graph": "extkernels_ptx::gather, CUDA graph replay",
     "gather_device": "the kernel alone (do_bench: device time, L2 emptied first)",
 }
 
@@ -177,14 +163,6 @@ def kernel_times(weights, indices, feats, grad_out) -> pd.DataFrame:
     return table
 
 
-def compare(table: pd.DataFrame, piece: str, a: str, b: str) -> str:
-    """How ``a`` compares with ``b`` in :func:`kernel_times`' ``table``, for prose:
-    ``"faster than"`` or ``"slower than"`` only when their 20th-80th percentile ranges
-    do not overlap, otherwise ``"as fast as"``."""
-    ra, rb = table.loc[(piece, a)], table.loc[(piece, b)]
-    return ranked((ra["p20"], ra["p80"]), (rb["p20"], rb["p80"]), same="as fast as")
-
-
 def build_costs(feats, k: int, sizes: list[int], *, seed: int = 0) -> pd.DataFrame:
     """For each number of queries ``M`` in ``sizes`` (new to the kernel): milliseconds
     of the first call (trace, ``ptxas``, load, launch), of tracing alone, and of the
@@ -279,55 +257,3 @@ def call_costs_glue(costs: pd.DataFrame) -> dict[str, float]:
         f"{key}_us": float(costs.loc[row, "µs per call"])
         for key, row in CALL_ROWS.items()
     }
-
-
-def kernel_times_glue(times: dict[str, pd.DataFrame]) -> dict[str, object]:
-    """What chapter 10's prose quotes from :func:`kernel_times` tables, one per number
-    of features (``times`` keyed ``"F = <F>"``, one of them ``"F = 32"``): the PTX
-    kernels' microseconds and how they compare with the C++ and Triton ones (the C++
-    gather with scalar loads, and at 32 features also with ``float4`` loads), by glue
-    key."""
-    out: dict[str, object] = {}
-    for f, table in times.items():
-        tag = f.replace("F = ", "f")
-        for piece in ("gather", "scatter"):
-            for other, key in [("C++", "cpp"), ("Triton", "triton")]:
-                name = other
-                if piece == "gather" and other == "C++":
-                    name = "C++, scalar loads"
-                out[f"ptx_vs_{key}_{piece}_{tag}"] = compare(
-                    table, piece, "PTX (pyptx)", name
-                )
-            ms = table.loc[(piece, "PTX (pyptx)"), "ms"]
-            out[f"ptx_{piece}_{tag}_us"] = float(ms * 1e3)
-    float4 = times["F = 32"].loc[("gather", "C++, float4 loads"), "ms"]
-    out["cpp_float4_f32_us"] = float(float4 * 1e3)
-    out["ptx_vs_cpp_float4_gather_f32"] = compare(
-        times["F = 32"], "gather", "PTX (pyptx)", "C++, float4 loads"
-    )
-    return out
-
-
-def projector_glue(table: pd.DataFrame) -> dict[str, object]:
-    """What chapter 10's prose quotes from the benchmark's ``table`` of the ``cpp`` and
-    ``ptx`` projectors, eager and in CUDA graphs: their milliseconds and how they
-    compare, by glue key."""
-    out: dict[str, object] = {}
-    for name, key in [
-        ("knn/ptx+graphs", "ptx_graphs"),
-        ("knn/cpp+graphs", "cpp_graphs"),
-        ("knn/ptx", "ptx_eager"),
-        ("knn/cpp", "cpp_eager"),
-        ("knn/ptx+compile", "ptx_compile"),
-    ]:
-        out[f"{key}_fwd_ms"] = float(table.loc[name, "forward_ms"])
-        out[f"{key}_train_ms"] = float(table.loc[name, "train_ms"])
-    for metric in ("forward", "train"):
-        for kind, suffix in [("graphs", "+graphs"), ("eager", "")]:
-            out[f"ptx_vs_cpp_{kind}_{metric}"] = verdict(
-                table, f"knn/ptx{suffix}", f"knn/cpp{suffix}", metric
-            )
-        out[f"ptx_compile_vs_eager_{metric}"] = verdict(
-            table, "knn/ptx+compile", "knn/ptx", metric
-        )
-    return out

@@ -8,7 +8,7 @@ against :class:`SquaresFixed`) and whether Warp shares PyTorch's stream
 each, through the helpers of :mod:`extkernels.ops.warp.interop`.
 
 The ``*_numbers`` functions pick the numbers chapter 7's prose quotes from its tables,
-by glue key, as plain Python numbers and words.
+by glue key, as plain Python numbers.
 """
 
 import functools
@@ -20,7 +20,6 @@ import pandas as pd
 import torch
 
 from ..ops.warp.interop import launch, warp, where
-from ..timing import verdict
 
 __all__ = [
     "METHODS",
@@ -34,7 +33,6 @@ __all__ = [
     "replay_matches",
     "launch_numbers",
     "deferred_numbers",
-    "thread_numbers",
     "graph_numbers",
 ]
 
@@ -311,54 +309,16 @@ def launch_numbers(cost: pd.Series) -> dict[str, float]:
 
 
 def deferred_numbers(deferred: pd.DataFrame) -> dict[str, float]:
-    """Chapter 7's numbers from its table of :class:`SquaresNaive` and
-    :class:`SquaresFixed` (rows by class name): milliseconds (``deferred_ms_<name>``)
-    and device kernels (``deferred_kernels_<name>``) per step, and the naive step's time
-    over the fixed one's (``deferred_gain``)."""
-    numbers = {}
-    for column, key in [("ms per step", "ms"), ("device kernels per step", "kernels")]:
-        for name in deferred.index:
-            numbers[f"deferred_{key}_{name}"] = float(deferred.loc[name, column])
+    """Chapter 7's number from its table of :class:`SquaresNaive` and
+    :class:`SquaresFixed` (rows by class name): the naive step's time over the fixed
+    one's (``deferred_gain``)."""
     ms = deferred["ms per step"]
-    numbers["deferred_gain"] = float(ms["SquaresNaive"] / ms["SquaresFixed"])
-    return numbers
-
-
-def thread_numbers(table: pd.DataFrame) -> dict[str, float | str]:
-    """Chapter 7's numbers for the backward on the calling thread, from a timing table
-    of ``radius/warp`` and ``radius/warp+compile``, each with and without ``+1thread``:
-    training-step milliseconds (``train_ms_<name>``), the eager gain (``thread_gain``),
-    and how each one-thread variant compares (:func:`~extkernels.timing.verdict`)."""
-    eager, eager_1t = "radius/warp", "radius/warp+1thread"
-    compiled, compiled_1t = "radius/warp+compile", "radius/warp+compile+1thread"
-    keys = {eager: "eager", eager_1t: "eager_1t"}
-    keys.update({compiled: "compiled", compiled_1t: "compiled_1t"})
-    numbers: dict[str, float | str] = {
-        f"train_ms_{key}": float(table.loc[name, "train_ms"])
-        for name, key in keys.items()
-    }
-    train = table["train_ms"]
-    numbers["thread_gain"] = float(train[eager] / train[eager_1t])
-    numbers["thread_eager"] = verdict(table, eager_1t, eager, "train")
-    numbers["thread_compiled"] = verdict(table, compiled_1t, compiled, "train")
-    numbers["thread_fwd"] = verdict(table, eager_1t, eager, "forward")
-    return numbers
+    return {"deferred_gain": float(ms["SquaresNaive"] / ms["SquaresFixed"])}
 
 
 def graph_numbers(table: pd.DataFrame) -> dict[str, float]:
-    """Chapter 7's numbers for the projector in one CUDA graph, from a timing table
-    with ``radius/warp``, ``radius/warp+1thread`` and ``radius/warp+graphs``: forward
-    and training-step milliseconds (``g_fwd_<name>``, ``g_train_<name>``) and the
-    graphs' gains over eager (``g_forward_gain``, ``g_train_gain``)."""
-    rows = {"radius/warp": "eager", "radius/warp+1thread": "eager_1t"}
-    rows["radius/warp+graphs"] = "graphs"
-    numbers = {}
-    for name, key in rows.items():
-        numbers[f"g_fwd_{key}"] = float(table.loc[name, "forward_ms"])
-        numbers[f"g_train_{key}"] = float(table.loc[name, "train_ms"])
-    for metric in ("forward", "train"):
-        ms = table[f"{metric}_ms"]
-        numbers[f"g_{metric}_gain"] = float(
-            ms["radius/warp"] / ms["radius/warp+graphs"]
-        )
-    return numbers
+    """Chapter 7's number for the projector in one CUDA graph, from a timing table
+    with ``radius/warp`` and ``radius/warp+graphs``: the graphs' gain over eager in the
+    training step (``g_train_gain``)."""
+    train = table["train_ms"]
+    return {"g_train_gain": float(train["radius/warp"] / train["radius/warp+graphs"])}

@@ -2,8 +2,8 @@
 per forward pass, the projector a chapter profiles, whether a function compiles to one
 graph, and the numbers the chapters' prose quotes from their timing tables.
 
-Each function returning numbers returns them by glue key, as plain Python numbers and
-words, so a chapter glues them in one loop.
+Each function returning numbers returns them by glue key, as plain Python numbers, so
+a chapter glues them in one loop.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import torch
 from ..models import Projector, RadiusAggregation
 from ..problem import Problem
 from ..profiling import graphs_and_breaks, profile, top_kernels
-from ..timing import make_forward, verdict
+from ..timing import make_forward
 
 __all__ = [
-    "FORWARD_VARIANTS",
-    "TRAINING_VARIANTS",
     "forward_numbers",
     "host_profiles",
     "host_numbers",
@@ -29,46 +27,24 @@ __all__ = [
     "training_numbers",
 ]
 
-#: Chapter 5's variants, each with the name its glue keys carry.
-FORWARD_VARIANTS = {
-    "radius/torch": "eager",
-    "radius/torch+compile": "compiled",
-    "radius/warp": "warp_eager",
-    "radius/warp+compile": "warp",
-}
 
-#: Chapter 6's variants, each with the name its glue keys carry.
-TRAINING_VARIANTS = {
-    "radius/warp": "eager",
-    "radius/warp+compile": "adjoint",
-    "radius/warp-manual+compile": "manual",
-    "radius/warp-saved+compile": "saved",
-    "radius/warp+reduce-overhead": "ro",
-}
-
-
-def forward_numbers(table: pd.DataFrame) -> dict[str, float | str]:
+def forward_numbers(table: pd.DataFrame) -> dict[str, float]:
     """The numbers chapter 5's prose quotes from its timing table, by glue key.
 
     Args:
-        table: from :func:`extkernels.benchmark.run_all` over :data:`FORWARD_VARIANTS`.
+        table: from :func:`extkernels.benchmark.run_all` over ``radius/torch`` and
+            ``radius/warp``, eager and compiled.
 
     Returns:
-        each variant's forward milliseconds (``radius_<name>_fwd_ms``) and speedup
-        (``radius_<name>_speedup``); how the compiled Warp projector compares with the
-        eager one (``warp_compiled_vs_eager``, :func:`~extkernels.timing.verdict`); and
-        the brute force's peak memory over the Warp projector's (``radius_mem_ratio``).
+        the eager Warp projector's forward-pass speedup over the eager brute force
+        (``radius_warp_eager_speedup``), and the brute force's peak memory over the
+        Warp projector's (``radius_mem_ratio``).
     """
-    numbers: dict[str, float | str] = {}
-    for name, key in FORWARD_VARIANTS.items():
-        numbers[f"radius_{key}_fwd_ms"] = float(table.loc[name, "forward_ms"])
-        numbers[f"radius_{key}_speedup"] = float(table.loc[name, "forward_speedup"])
-    numbers["warp_compiled_vs_eager"] = verdict(
-        table, "radius/warp+compile", "radius/warp", "forward"
-    )
     peak = table["peak_mb"]
-    numbers["radius_mem_ratio"] = float(peak["radius/torch"] / peak["radius/warp"])
-    return numbers
+    return {
+        "radius_warp_eager_speedup": float(table.loc["radius/warp", "forward_speedup"]),
+        "radius_mem_ratio": float(peak["radius/torch"] / peak["radius/warp"]),
+    }
 
 
 def host_profiles(
@@ -99,15 +75,13 @@ def host_profiles(
     return tables
 
 
-def host_numbers(tables: dict[str, pd.DataFrame]) -> dict[str, float | int]:
+def host_numbers(tables: dict[str, pd.DataFrame]) -> dict[str, float]:
     """The numbers chapter 5's prose quotes from :func:`host_profiles`, by glue key:
-    the host's milliseconds per forward pass (``host_<title>_ms``) and the number of
-    operators it spends them in (``host_<title>_ops``)."""
-    numbers: dict[str, float | int] = {}
-    for title, table in tables.items():
-        numbers[f"host_{title}_ms"] = float(table["time (ms)"].sum())
-        numbers[f"host_{title}_ops"] = len(table)
-    return numbers
+    the host's milliseconds per forward pass (``host_<title>_ms``)."""
+    return {
+        f"host_{title}_ms": float(table["time (ms)"].sum())
+        for title, table in tables.items()
+    }
 
 
 def warp_projector(prob: Problem, **options) -> Projector:
@@ -123,28 +97,18 @@ def warp_projector(prob: Problem, **options) -> Projector:
     return Projector(aggregation, prob.hidden).to(prob.device)
 
 
-def training_numbers(table: pd.DataFrame) -> dict[str, float | str]:
+def training_numbers(table: pd.DataFrame) -> dict[str, float]:
     """The numbers chapter 6's prose quotes from its timing table, by glue key.
 
     Args:
-        table: from :func:`extkernels.benchmark.run_all` over
-            :data:`TRAINING_VARIANTS`.
+        table: from :func:`extkernels.benchmark.run_all` over ``radius/warp`` and
+            ``radius/warp+compile``, among others.
 
     Returns:
-        each variant's training-step milliseconds (``<name>_train_ms``), and how the
-        compiled projector compares with the eager one, the hand-written backward with
-        the adjoint, the hand-over through ``ctx`` with the pool, and
-        ``reduce-overhead`` with the default mode (:func:`~extkernels.timing.verdict`).
+        the training-step milliseconds of the eager projector (``eager_train_ms``) and
+        of the compiled one with Warp's adjoint (``adjoint_train_ms``).
     """
-    numbers: dict[str, float | str] = {
-        f"{key}_train_ms": float(table.loc[name, "train_ms"])
-        for name, key in TRAINING_VARIANTS.items()
+    return {
+        "eager_train_ms": float(table.loc["radius/warp", "train_ms"]),
+        "adjoint_train_ms": float(table.loc["radius/warp+compile", "train_ms"]),
     }
-    for key, a, b in [
-        ("compiled_vs_eager", "radius/warp+compile", "radius/warp"),
-        ("manual_vs_adjoint", "radius/warp-manual+compile", "radius/warp+compile"),
-        ("saved_vs_pool", "radius/warp-saved+compile", "radius/warp+compile"),
-        ("ro_vs_compiled", "radius/warp+reduce-overhead", "radius/warp+compile"),
-    ]:
-        numbers[key] = verdict(table, a, b, "train")
-    return numbers

@@ -24,7 +24,6 @@ launches of chapter 7.
 # No ``from __future__ import annotations`` here: Warp reads the kernels' annotations as
 # objects.
 import contextlib
-import itertools
 from collections.abc import Callable
 
 import pandas as pd
@@ -33,7 +32,7 @@ import torch
 from ..ops.torch.brute_force import radius_aggregate as brute_force
 from ..ops.warp import kernels as book_kernels
 from ..ops.warp.interop import warp
-from ..timing import ranked, time_blocks
+from ..timing import time_blocks
 
 __all__ = [
     "grid_sum",
@@ -217,43 +216,13 @@ def wrong_share(
     ).rename_axis("step")
 
 
-def ladder_numbers(ladder: pd.DataFrame) -> dict[str, float | str]:
+def ladder_numbers(ladder: pd.DataFrame) -> dict[str, float]:
     """The numbers chapter 5 quotes from :func:`time_steps`' table (the smallest
-    operator first, then the four steps by their names in :func:`steps`), and a
-    sentence saying which steps are faster than the one before with ranges apart."""
+    operator first, then the four steps by their names in :func:`steps`): how many
+    times faster the hash grid is than the smallest operator (``steps_grid_gain``), and
+    the book's kernel (``steps_total_gain``)."""
     ms = ladder["ms per call"]
-    names = list(ladder.index)
-    slower, noise = [], []
-    span = {
-        name: (ladder.at[name, "fastest"], ladder.at[name, "slowest"]) for name in names
-    }
-    for before, step in itertools.pairwise(names):
-        order = ranked(span[step], span[before], same="within the noise of")
-        if order == "slower than":
-            slower.append(step)
-        elif order == "within the noise of":
-            noise.append(step)
-    if not slower and not noise:
-        verdict = (
-            "Every step is faster than the one before it, and no two ranges overlap."
-        )
-    else:
-        parts = []
-        if slower:
-            parts.append(f"slower than the step before it: {', '.join(slower)}")
-        if noise:
-            parts.append(
-                "within the noise of the step before it (the ranges overlap): "
-                + ", ".join(noise)
-            )
-        verdict = "Not every step pays on its own; " + "; ".join(parts) + "."
     return {
-        "steps_every_ms": float(ms.iloc[0]),
-        "steps_grid_ms": float(ms["hash grid"]),
         "steps_grid_gain": float(ms.iloc[0] / ms["hash grid"]),
-        "steps_shifted_ms": float(ms["shifted, two walks"]),
-        "steps_online_ms": float(ms["online, one walk"]),
-        "steps_book_ms": float(ms["four features per thread"]),
         "steps_total_gain": float(ms.iloc[0] / ms["four features per thread"]),
-        "steps_verdict": verdict,
     }
