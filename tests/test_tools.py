@@ -668,6 +668,25 @@ def test_timing_bars_label_each_median_alike_and_keep_the_legend_by_the_axes():
     assert 0 <= axes.y0 - legend.y1 < 0.05 * fig.bbox.height
 
 
+def test_timing_panels_legend_covers_no_panel_or_title():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from extkernels import plotting
+
+    long = "knn/cuml-op+compile+rmm-rapids"  # a long name narrows the axes
+    df = pd.DataFrame({"forward_ms": [1.0, 2.0], "train_ms": [2.0, 3.0]}, [long, "k/b"])
+    fig = plotting.timing_panels(
+        {"kNN projector": df, "radius projector": df}, title="t", hardware="NVIDIA X"
+    )
+    fig.canvas.draw()
+    legend = fig.legends[0].get_window_extent()
+    for ax in fig.axes:
+        for box in (ax.get_window_extent(), ax.title.get_window_extent()):
+            assert not legend.overlaps(box), (legend, box)
+    assert not legend.overlaps(fig._suptitle.get_window_extent())
+
+
 def test_range_bars_draws_a_panel_per_group_with_its_whiskers():
     import matplotlib
 

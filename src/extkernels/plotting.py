@@ -254,15 +254,11 @@ def timing_panels(
         handles = _bars(ax, df, log)
         ax.set_title(name, loc="left", fontsize=10)
     fig.suptitle(_suptitle(pd.concat(parts.values()), title, hardware))
-    # Above the first panel, beside its title: the panels are tall, and a legend at the
-    # figure's foot would sit a page away from the first of them.
-    axes[0, 0].legend(
-        handles=handles,
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        ncol=2,
-        frameon=False,
-        fontsize=9,
+    # Right of the first panel, level with its top: a legend beside the panel's title
+    # covers it where the variant names leave the axes narrow, and one at the figure's
+    # foot sits a page away from the first panel.
+    fig.legend(
+        handles=handles, loc="outside right upper", ncol=1, frameon=False, fontsize=9
     )
     return fig
 
