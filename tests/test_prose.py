@@ -287,3 +287,52 @@ def test_the_verdict_rule_sees_one(tmp_path):
         "said = 'The walk stays close on every cloud'",
         "x_vs_y = 'faster than'",
     ]
+
+
+#: Pages whose stored glue still holds words the code wrote: their code changes with
+#: their next run on the GPU, when this set loses them.
+VERDICTS_UNTIL_EXECUTED = {"04_rmm_pool", "12_scaling"}
+
+
+def generated_judgements(path: Path) -> list[str]:
+    """Every value a page glues (quoted or not) that is a judgement or a sentence."""
+
+    def written(value: str) -> bool:
+        sentence = value[:1] in "'\"" and len(value.split()) >= 5
+        return bool(VERDICT.search(value)) or (sentence and not ERROR.match(value))
+
+    return sorted(f"{k} = {v}" for k, v in glued_values(path).items() if written(v))
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if p.suffix == ".ipynb"], ids=str)
+def test_no_page_glues_a_judgement(path):
+    found = generated_judgements(path)
+    if path.stem in VERDICTS_UNTIL_EXECUTED:
+        assert found, f"{path.name} glues no judgement now: drop it from the set"
+    else:
+        assert not found, f"{path.name}: the code glues judgements: {found}"
+
+
+def glue_counts(path: Path) -> dict[str, int]:
+    """How many stored outputs glue each name on a page."""
+    counts: dict[str, int] = {}
+    for cell in nbformat.read(path, as_version=4).cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if RECORD in out.get("data", {}):
+                name = out.get("metadata", {}).get("scrapbook", {}).get("name")
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if p.suffix == ".ipynb"], ids=str)
+def test_a_number_quoted_twice_comes_from_one_value(path):
+    # Each glued name is stored once: wherever the prose quotes it, it reads one value.
+    twice = {k: n for k, n in glue_counts(path).items() if n > 1}
+    assert not twice, f"{path.name}: names glued more than once: {twice}"
+
+
+def test_the_glue_count_sees_a_name_glued_twice(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [_glued("ms", "0.5"), _glued("ms", "0.6"), _glued("other", "1")]
+    nbformat.write(nb, tmp_path / "page.ipynb")
+    assert glue_counts(tmp_path / "page.ipynb") == {"ms": 2, "other": 1}
