@@ -116,9 +116,9 @@ def test_the_guide_names_the_search_the_cuml_operator_runs(table):
 def test_at_least_claims_round_down_and_at_most_claims_round_up(table):
     text = table[0].loc["kNN in a training loop, any cloud", "on real geometry"]
     least = int(re.search(r"(\d+)× cuML or more", text).group(1))
-    assert least <= results.targets(table[1])["x cuml at 10⁶"].min()
+    assert least <= results.tree_times(table[1])["x cuml at 10⁶"].min()
     most = float(re.search(r"at most ([\d.]+) ms", text).group(1))
-    assert most >= results.targets(table[1])["ms at 10⁶"].max()
+    assert most >= results.tree_times(table[1])["ms at 10⁶"].max()
     assert results.at_least(20.543) == "20" and results.at_most(1.131, 2) == "1.14"
     assert results.at_most(1.32, 2) == "1.32"
 
@@ -134,7 +134,7 @@ def test_worst_cases_round_up_and_ranges_enclose_the_runs(table):
         assert float(quoted.replace(",", "")) >= at_1e6[method].max(), situation
     lo, hi = re.search(r"(\d+) to (\d+) ms", words[_CUML]).groups()
     assert float(lo) <= at_1e6["cuml"].min() and float(hi) >= at_1e6["cuml"].max()
-    warp = results.radius_targets(times)["warp-radius / normal"].drop("normal").max()
+    warp = results.radius_times(times)["warp-radius / normal"].drop("normal").max()
     quoted = re.search(r"up to ([\d.]+)×", words[_WARP]).group(1)
     assert float(quoted) >= warp
 

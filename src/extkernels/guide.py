@@ -177,13 +177,13 @@ def guide(
     variants on other clouds) and what it costs to adopt, first calls included: each
     variant's own, and where ``shipping`` (chapter 15's file) is given, the libraries
     built just in time instead of loaded from the prebuilt wheel."""
-    tree = results.targets(times)
+    tree = results.tree_times(times)
     train = clouds["train_ms"]
     mesh_ratio = max(
         train[f"knn/fused+graphs@{m}"] / train["knn/fused+graphs"]
         for m in ("panda", "spitfire")
     )
-    radius = results.radius_targets(times)
+    radius = results.radius_times(times)
     fused_x, warp_x = radius["fused-radius / normal"], radius["warp-radius / normal"]
     cuml = results.at_size(times, 1_000_000, ["cuml"])["cuml"]
     search = CUML_SEARCHES[CUML_ALGORITHM]
