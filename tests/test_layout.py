@@ -206,6 +206,21 @@ def test_no_module_is_over_the_line_limit(module):
     )
 
 
+#: The most lines of a native source file (CUDA or C++): past it, a file holds two jobs.
+MAX_NATIVE_LINES = 600
+NATIVE = sorted(
+    p for ext in ("*.cu", "*.cuh", "*.cpp", "*.h") for p in (SRC / PACKAGE).rglob(ext)
+)
+
+
+@pytest.mark.parametrize("path", NATIVE, ids=lambda p: p.name)
+def test_no_native_source_is_over_its_line_limit(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_NATIVE_LINES, (
+        f"{path.name}: {n} lines (at most {MAX_NATIVE_LINES}: split it by job)"
+    )
+
+
 def _chapters() -> set[int]:
     return {int(p.name[:2]) for p in (ROOT / "book").glob("[0-9][0-9]_*.ipynb")}
 

@@ -57,7 +57,14 @@ def defines() -> list[str]:
 def sources(cuda: bool) -> list[Path]:
     """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
     files = [CSRC / "fused.cpp"]
-    cuda_files = ["fused_cuda.cu", "tree_cuda.cu", "positions_cuda.cu"]
+    cuda_files = [
+        "grid_build_cuda.cu",
+        "knn_lanes_cuda.cu",
+        "radius_cuda.cu",
+        "positions_cuda.cu",
+        "tree_build_cuda.cu",
+        "tree_search_cuda.cu",
+    ]
     return files + [CSRC / name for name in cuda_files] if cuda else files
 
 

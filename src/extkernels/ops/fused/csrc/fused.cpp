@@ -2,11 +2,11 @@
 //
 // The kNN operators search one of two indexes, chosen per call by `index`:
 // - "tree" (chapter 14): the wide tree of tree.h over the points in Morton order; on the
-//   GPU (tree_cuda.cu) one warp per query, with the softmax and the gather in the same
-//   kernel; on the CPU tree_cpu.h, the same tree and the same pruning.
-// - "grid" (chapter 11): chapter 9's uniform grid; on the GPU (fused_cuda.cu) a group of
-//   `lanes` threads per query; on the CPU the C++ backend's kernels (chapter 9), reached
-//   through the dispatcher.
+//   GPU (tree_search_cuda.cu) one warp per query, with the softmax and the gather in the
+//   same kernel; on the CPU tree_cpu.h, the same tree and the same pruning.
+// - "grid" (chapter 11): chapter 9's uniform grid; on the GPU (knn_lanes_cuda.cu) a group
+//   of `lanes` threads per query; on the CPU the C++ backend's kernels (chapter 9),
+//   reached through the dispatcher.
 // The radius aggregation walks the grid on both devices (radius.h).
 #include <torch/library.h>
 #include <ATen/ATen.h>

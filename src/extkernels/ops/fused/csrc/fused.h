@@ -43,15 +43,22 @@ struct SavedGrid {
   at::Tensor ref, start, params;
 };
 
+// The grid of p_ref's points on the GPU (grid_build_cuda.cu), for the kNN lanes and the
+// radius walk: with `deterministic` each cell's points in row order, with `robust` the
+// box less its blocks' most extreme values (robust_bound, grid.h); cells at least min_h
+// wide.
+SavedGrid build_grid(const at::Tensor& p_ref, bool deterministic, bool robust,
+                     float min_h);
+
 // radius_aggregate_fwd: the output, each query's total weight, and the grid.
 using RadiusOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The most queries of the kNN operators: the tree search hands its long queries to a
-// second kernel in a list of int32_t rows (`heavy`, tree_cuda.cu); one limit for either
-// index. Python reads it, with kMaxRadiusQueries, from the operator limits.
+// second kernel in a list of int32_t rows (`heavy`, tree_search_cuda.cu); one limit for
+// either index. Python reads it, with kMaxRadiusQueries, from the operator limits.
 constexpr int64_t kMaxQueries = 2147483647;  // INT32_MAX
 // The most queries of the radius aggregation: its dense queries' lists hold int32_t rows
-// too, and radius_dense_fwd_kernel (fused_cuda.cu) steps an int through a list by a
+// too, and radius_dense_fwd_kernel (radius_cuda.cu) steps an int through a list by a
 // grid's width of teams, some thousands: the step past a list of nearly 2^31 rows would
 // wrap. Half leaves room.
 constexpr int64_t kMaxRadiusQueries = int64_t{1} << 30;
@@ -87,7 +94,7 @@ inline void check_lanes(int64_t lanes) {
                                lanes));
 }
 
-// The tree of tree.h on the GPU (tree_cuda.cu): sorted points (n, 4) float32, their
+// The tree of tree.h on the GPU (tree_build_cuda.cu): sorted points (n, 4) float32, their
 // codes (n,) int64, leaf starts (n + 1,) int32 (as many as there are leaves, plus one,
 // are used), node boxes (n_nodes, 8) float32, and the layout and the parameters as
 // bytes. Sized from n only: the number of leaves is known on the device alone.
@@ -97,8 +104,8 @@ struct TreeTensors {
 // The tree of p_ref's points; `zero`, where given, is set to 0 on the way (a counter of
 // the caller's, without a launch of its own).
 TreeTensors build_tree_cuda(const at::Tensor& p_ref, int32_t* zero = nullptr);
-// The search by the tree: distances (inv_sigma 0) or softmax weights into values, rows
-// into indices, and with feats (float32) the gather into out.
+// The search by the tree (tree_search_cuda.cu): distances (inv_sigma 0) or softmax
+// weights into values, rows into indices, and with feats (float32) the gather into out.
 void knn_tree_cuda(const at::Tensor& p_query, const at::Tensor& p_ref, int64_t k,
                    float inv_sigma, const at::Tensor* feats, at::Tensor* out,
                    at::Tensor& values, at::Tensor& indices);
