@@ -5,6 +5,7 @@ CUDA graph; and the CUDA source compiled by ``nvcc`` where it is installed, so t
 syntax error in it never waits for a GPU."""
 
 import math
+import os
 import shutil
 import subprocess
 import sysconfig
@@ -370,6 +371,21 @@ def test_the_build_summary_names_what_was_built(ops):
     if build.arch_list() is None:
         assert table.loc["TORCH_CUDA_ARCH_LIST", "extension"] == "(CPU only)"
         assert table.loc["sources", "extension"] == "knn.cpp"
+
+
+def test_the_architectures_are_read_without_writing_the_environment(monkeypatch):
+    monkeypatch.setattr(build, "_with_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert build.arch_list() == "9.0"  # this GPU's
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ  # a getter leaves it alone
+    with build.arch_environment() as arch:  # a build sets it, for the build only
+        assert arch == os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")  # the reader's choice wins
+    with build.arch_environment() as arch:
+        assert arch == "8.0;9.0"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
 
 
 def _table(ms: dict[str, tuple[float, float]], spread: float = 0.01):

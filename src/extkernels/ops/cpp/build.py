@@ -6,10 +6,12 @@ kernels are built beside the CPU ones, for this GPU's architecture only. Where t
 ``extkernels-native`` wheel holds a library built from these sources for this PyTorch,
 it is loaded instead (:mod:`~extkernels.ops.prebuilt`)."""
 
+import contextlib
 import functools
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -25,6 +27,7 @@ __all__ = [
     "prebuilt_path",
     "library_file",
     "arch_list",
+    "arch_environment",
     "summary",
     "stable_coverage",
 ]
@@ -53,13 +56,33 @@ def _with_cuda() -> bool:
 
 def arch_list() -> str | None:
     """The GPU architectures just-in-time builds compile the CUDA kernels for: this
-    GPU's, unless ``TORCH_CUDA_ARCH_LIST`` says otherwise (``None`` without CUDA)."""
+    GPU's, unless ``TORCH_CUDA_ARCH_LIST`` says otherwise (``None`` without CUDA).
+    Reads the environment, never writes it (:func:`arch_environment` does, for a
+    build)."""
     if not _with_cuda():
         return None
-    if "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # this GPU only
-    return os.environ["TORCH_CUDA_ARCH_LIST"]
+    if "TORCH_CUDA_ARCH_LIST" in os.environ:
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"  # this GPU only
+
+
+@contextlib.contextmanager
+def arch_environment() -> Iterator[str | None]:
+    """``TORCH_CUDA_ARCH_LIST`` set to :func:`arch_list` while a build runs (PyTorch's
+    ``cpp_extension`` reads the architectures from there), and restored after; yields
+    the list (``None`` without CUDA, and the environment untouched)."""
+    arch = arch_list()
+    before = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    try:
+        yield arch
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = before
 
 
 @functools.cache
@@ -85,16 +108,17 @@ def library_file() -> Path:
 def _build(verbose: bool) -> None:
     from torch.utils import cpp_extension
 
-    cuda = arch_list() is not None
-    cpp_extension.load(
-        name="extkernels_cpp_cuda" if cuda else "extkernels_cpp",
-        sources=[str(p) for p in sources(cuda)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-lineinfo"],
-        with_cuda=cuda,
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with arch_environment() as arch:
+        cuda = arch is not None
+        cpp_extension.load(
+            name="extkernels_cpp_cuda" if cuda else "extkernels_cpp",
+            sources=[str(p) for p in sources(cuda)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-lineinfo"],
+            with_cuda=cuda,
+            is_python_module=False,
+            verbose=verbose,
+        )
 
 
 def summary() -> pd.DataFrame:

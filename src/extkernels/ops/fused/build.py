@@ -79,17 +79,18 @@ def load(verbose: bool = False) -> None:
     prebuilt_path = prebuilt.load("fused", [CSRC, cpp_build.CSRC], defines())
     if prebuilt_path is not None:
         return
-    cuda = cpp_build.arch_list() is not None
-    cpp_extension.load(
-        name="extkernels_fused_cuda" if cuda else "extkernels_fused",
-        sources=[str(p) for p in sources(cuda)],
-        extra_include_paths=[str(cpp_build.CSRC)],
-        extra_cflags=["-O3", *defines()],
-        extra_cuda_cflags=["-O3", "-lineinfo", *defines()],
-        with_cuda=cuda,
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with cpp_build.arch_environment() as arch:
+        cuda = arch is not None
+        cpp_extension.load(
+            name="extkernels_fused_cuda" if cuda else "extkernels_fused",
+            sources=[str(p) for p in sources(cuda)],
+            extra_include_paths=[str(cpp_build.CSRC)],
+            extra_cflags=["-O3", *defines()],
+            extra_cuda_cflags=["-O3", "-lineinfo", *defines()],
+            with_cuda=cuda,
+            is_python_module=False,
+            verbose=verbose,
+        )
 
 
 def library_file() -> Path:
