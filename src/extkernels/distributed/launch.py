@@ -6,6 +6,12 @@ returns what rank 0's function returned; under ``torchrun`` (which sets ``RANK``
 in place. Either way :func:`init` picks NCCL and one GPU per rank where there are
 enough GPUs, gloo on the CPU otherwise.
 
+Ranks on GPUs start as fresh interpreters (``spawn``). Ranks on the CPU fork from a
+server process that imported the package once (``forkserver``): each launch still gets
+new processes that share nothing with the caller or with earlier launches, without
+importing PyTorch and the package again per rank, which is most of a small CPU check's
+time.
+
 Every rank turns NVLink SHARP (multicast) off in NCCL, in PyTorch's symmetric memory
 and in NVSHMEM before any of them starts: the book's collectives move a few megabytes
 and gain nothing from it, and some shared machines do not allow it.
@@ -82,7 +88,28 @@ def init(
     return here
 
 
-def _rank_main(rank, world, port, fn, args, device, out):
+def _on_cpu(world: int, device: str | None) -> bool:
+    """Whether :func:`init` will put ``world`` ranks on the CPU (gloo)."""
+    device = device or os.environ.get("EXTKERNELS_DEVICE", "").strip().lower() or None
+    return device == "cpu" or (device != "cuda" and torch.cuda.device_count() < world)
+
+
+def _start_method(fn: Callable, world: int, device: str | None) -> str:
+    """``spawn`` for ranks on GPUs; ``forkserver`` for ranks on the CPU, its server
+    preloading the package and ``fn``'s module once per calling process."""
+    if not _on_cpu(world, device):
+        return "spawn"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        sorted({"extkernels.distributed.command", fn.__module__})
+    )
+    return "forkserver"
+
+
+def _rank_main(rank, world, port, fn, args, device, out, env=None):
+    if env is not None:  # the caller's environment now, not the server's at its start
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     here = init(rank, world, device=device)
     try:
@@ -103,13 +130,15 @@ def spawn(fn: Callable, world: int, *args, device: str | None = None):
     if world < 1:
         raise ValueError(f"world: expected at least one rank, got {world}")
     os.environ.update(NO_MULTICAST)  # inherited by the children
+    method = _start_method(fn, world, device)
+    env = dict(os.environ) if method == "forkserver" else None
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.pt")
         mp.start_processes(
             _rank_main,
-            args=(world, _free_port(), fn, args, device, out),
+            args=(world, _free_port(), fn, args, device, out, env),
             nprocs=world,
-            start_method="spawn",
+            start_method=method,
         )
         return torch.load(out, weights_only=False)
 

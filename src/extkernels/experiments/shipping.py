@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -43,6 +43,7 @@ from ..timing import time_blocks
 
 __all__ = [
     "BACKENDS",
+    "SMALL_BACKENDS",
     "operator_nodes",
     "projector",
     "export_table",
@@ -147,15 +148,36 @@ def outcome(ran: dict) -> str:
     return f"runs (max |diff| {ran['max_abs_diff']:.0e})"
 
 
-def package_table(prob: Problem, folder: Path) -> pd.DataFrame:
-    """Each backend's projector that runs here, packaged into ``folder`` and run in
-    fresh processes (:func:`outcome`): with nothing loaded, then with its operator
-    libraries where it has any, then with those and the Python module that defines its
-    operators where it has one. One row per run, indexed by backend and what was
-    loaded (a long table, so that error messages wrap on a page)."""
+#: The backends :func:`package_table` packages for a ``small`` problem (on a CPU): one
+#: per lesson of the table. A C++ operator needs its library (``cpp``; ``fused`` needs
+#: two, the same lesson), an operator defined in Python needs that Python (``warp``;
+#: ``cuml`` and ``ptx``, whose gather is defined in Python, teach it again), and a
+#: ``triton_op`` needs nothing, as PyTorch's own operators (``torch``) need nothing.
+SMALL_BACKENDS = ("triton", "cpp", "warp")
+
+
+def package_table(
+    prob: Problem, folder: Path, backends: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """Each backend's projector, packaged into ``folder`` and run in fresh processes
+    (:func:`outcome`): with nothing loaded, then with its operator libraries where it
+    has any, then with those and the Python module that defines its operators where it
+    has one. One row per run, indexed by backend and what was loaded (a long table, so
+    that error messages wrap on a page).
+
+    ``backends``: those to package, in order; by default every backend that runs here
+    or, for a ``small`` problem (the CPU run), only those of :data:`SMALL_BACKENDS`
+    that run here, one backend per lesson: a C++ operator needs its library, one
+    defined in Python needs that Python, a ``triton_op`` needs nothing. The runs are
+    not timed: the table shows outcomes only."""
+    if backends is None:
+        backends = [b for b in _here() if not prob.small or b in SMALL_BACKENDS]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        raise ValueError(f"backends: expected some of {list(BACKENDS)}, got {unknown}")
     libraries = {"cpp": cpp_build.library_file, "fused": fused_build.library_file}
     rows = []
-    for backend in _here():
+    for backend in backends:
         _, libs, module = BACKENDS[backend]
         model, inputs = projector(backend, prob)
         with torch.no_grad():
@@ -165,7 +187,7 @@ def package_table(prob: Problem, folder: Path) -> pd.DataFrame:
             package(model, inputs, folder / f"{backend}.pt2"),
             inputs,
             expected,
-            seconds=0.2,
+            seconds=None,
         )
         loaded = [libraries[n]() for n in libs]
         runs = {"nothing": fresh()}
@@ -191,7 +213,6 @@ _FRESH = textwrap.dedent(
     """
     import importlib, json, sys
     import torch
-    from torch.utils import benchmark
 
     args = json.loads(sys.argv[1])
     for library in args["libraries"]:
@@ -205,11 +226,15 @@ _FRESH = textwrap.dedent(
     except Exception as e:
         print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}))
         sys.exit(0)
-    timer = benchmark.Timer(
-        "runner(*inputs)", globals={"runner": runner, "inputs": data["inputs"]}
-    )
-    ms = timer.blocked_autorange(min_run_time=args["seconds"]).median * 1e3
     diff = (out - data["expected"]).abs().max().item()
+    ms = None
+    if args["seconds"] is not None:
+        from torch.utils import benchmark
+
+        timer = benchmark.Timer(
+            "runner(*inputs)", globals={"runner": runner, "inputs": data["inputs"]}
+        )
+        ms = timer.blocked_autorange(min_run_time=args["seconds"]).median * 1e3
     print(json.dumps({"error": None, "max_abs_diff": diff, "ms": ms}))
     """
 )
@@ -222,16 +247,17 @@ def run_fresh(
     *,
     libraries: list[Path] = (),
     imports: list[str] = (),
-    seconds: float = 0.5,
+    seconds: float | None = 0.5,
 ) -> dict:
     """Load the package ``pt2`` in a new Python process after loading ``libraries``
     (operator libraries, in order) and importing ``imports`` (Python modules), run it
-    on ``inputs`` and time it for about ``seconds``.
+    on ``inputs`` and time it for about ``seconds`` (``None``: not at all).
 
     Returns:
         ``error``: ``None``, or the exception's type and first line where loading or
         the first call failed; otherwise ``max_abs_diff`` from ``expected`` and ``ms``
-        per call (median of ``torch.utils.benchmark``'s blocks).
+        per call (median of ``torch.utils.benchmark``'s blocks; ``None`` where
+        ``seconds`` is).
     """
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.pt"
