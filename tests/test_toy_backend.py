@@ -10,6 +10,11 @@ test of this file only, so that no other test file sees it. The toy's search is 
 custom operator with a fake, so the operator's part of the suite (``opcheck``, the
 operator's and the fake's refusals) runs on it too; its ``knn_aggregate`` is the one the
 registry derives from the search (chapter 3 teaches both).
+
+The toy's book record (``registry.Book``) declares its variants of the benchmark and
+its search method of chapter 14, and nothing else is edited: the benchmark's
+``--list``, the campaign's plan and the geometry command's methods show it, as
+README's "Adding a backend" says.
 """
 
 import importlib.util
@@ -20,6 +25,8 @@ import pytest
 import test_registry as registry_tests
 import torch
 
+from extkernels import benchmark, campaign
+from extkernels.experiments import geometry
 from extkernels.ops import registry
 from extkernels.ops.checks import check_knn
 
@@ -54,8 +61,15 @@ TOY = registry.Backend(
     devices=("cpu",),
     knn=knn,
     operators={"knn": "extkernels_toy::knn"},
-    toolchain="PyTorch only",
-    not_benchmarked="a test's toy, no part of the book",
+    book=registry.Book(
+        chapter=3,
+        toolchain="PyTorch only",
+        variants=lambda v: [
+            v.Variant("knn/toy", "knn", NAME, chapter=3),
+            v.compiled("knn/toy+compile", NAME, 3),
+        ],
+        methods={"toy": {}},
+    ),
 )
 
 
@@ -133,3 +147,27 @@ def test_no_other_test_file_sees_the_toy():
 def test_the_toy_carries_what_the_guide_and_the_benchmark_need():
     registry_tests.test_every_backend_states_its_toolchain()
     registry_tests.test_every_backend_is_benchmarked_or_says_why_not()
+
+
+def test_the_benchmark_lists_the_toys_variants(capsys):
+    assert benchmark.main(["--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"knn/toy", "knn/toy+compile"} <= set(listed)
+    # after the search backends of chapter 3 and before those of later chapters
+    assert listed.index("knn/cuml-op+compile+rmm-rapids") < listed.index("knn/toy")
+    assert listed.index("knn/toy+compile") < listed.index("knn/triton")
+
+
+def test_the_campaign_plans_the_toys_runs():
+    jobs = [j.name for j in campaign.plan(repeats=1)]
+    assert {"bench:knn/toy", "bench:knn/toy+compile", "geometry:toy"} <= set(jobs)
+    assert geometry.METHODS["toy"] == (NAME, {})
+
+
+def test_no_list_names_the_toy_once_it_is_gone():
+    from extkernels import variants
+
+    with registry.scratch():
+        registry._BACKENDS.pop(NAME)
+        assert not [v for v in variants.VARIANTS if v.backend == NAME]
+        assert "toy" not in geometry.METHODS

@@ -4,16 +4,18 @@ them (chapter 1 onward; each variant names the chapter that introduces it).
 A :class:`Variant` says which workload (``knn`` or ``radius``), which backend and
 whether it is compiled; :meth:`Variant.build` makes the model and data at a
 :class:`~extkernels.Problem`'s sizes and :func:`run` times it by the book's protocol.
-Chapters add variants as they add backends; a variant whose backend cannot run on this
-machine is listed but skipped. A registered backend without a variant here says why in
-its registration (``Backend.not_benchmarked``); ``tests/test_registry.py`` holds every
-backend to one or the other.
+A backend's variants live in its registration (``Book.variants``, in its folder of
+:mod:`extkernels.ops`), which builds them with this module; only the floor variants,
+which run no backend, live here. :data:`VARIANTS` is generated from the registry each
+time it is read (see :func:`variants`). A registered backend without variants says why
+(``Book.not_benchmarked``); ``tests/test_registry.py`` holds every backend to one or
+the other.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from .data import query_grid, reference_cloud, targets
 from .experiments import shipping
 from .memory import use_rmm_pool
 from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation, Shifted
-from .ops import backends
+from .ops import backends, registry
 from .problem import Problem
 from .timing import Timing, first_call_seconds, time_projector
 from .training import make_forward, make_train_step
@@ -34,7 +36,10 @@ __all__ = [
     "FLOOR",
     "IN_ONE_GRAPH",
     "Variant",
-    "VARIANTS",
+    "VARIANTS",  # noqa: F822  (generated when read, see __getattr__)
+    "compiled",
+    "use_rmm_pool",
+    "variants",
     "get",
     "run",
     "baseline_of",
@@ -86,6 +91,8 @@ class Variant:
         positions: the projector moves both clouds by learned offsets
             (:class:`~extkernels.models.Shifted`), so that its training step
             differentiates the aggregation with respect to the positions (chapter 6).
+        after: the name of the variant it follows in :data:`VARIANTS` (one of another
+            backend's); ``None``: it follows its own backend's previous variant.
     """
 
     name: str
@@ -105,6 +112,7 @@ class Variant:
     jit: bool = False
     package: bool = False
     positions: bool = False
+    after: str | None = None
 
     @property
     def op(self) -> str:
@@ -120,7 +128,9 @@ class Variant:
             return f"backend {self.backend!r} cannot run on this machine"
         if self.graphs and not torch.cuda.is_available():
             return "CUDA graphs need a CUDA GPU"
-        if self.jit and self.backend not in ("cpp", "fused"):
+        if self.jit and (
+            self.backend == FLOOR or registry.get(self.backend).library is None
+        ):
             return f"backend {self.backend!r} has no library to build"
         return None
 
@@ -178,7 +188,7 @@ class Variant:
 IN_ONE_GRAPH = {"pattern_matcher": False}
 
 
-def _compiled(name: str, backend: str, chapter: int, **options) -> Variant:
+def compiled(name: str, backend: str, chapter: int, **options) -> Variant:
     """A variant compiled with ``fullgraph=True``, named ``workload/...``."""
     workload = name.partition("/")[0]
     return Variant(
@@ -192,141 +202,91 @@ def _compiled(name: str, backend: str, chapter: int, **options) -> Variant:
     )
 
 
-def _elsewhere(workload: str, cloud: str, *, grid: bool = False) -> Variant:
-    """The fused projector in one CUDA graph on another cloud (``name@cloud``), or with
-    chapter 11's grid instead of the tree (chapter 14)."""
-    suffix = "" if cloud == "normal" else f"@{cloud}"
-    return Variant(
-        f"{workload}/fused{'-grid' if grid else ''}+graphs{suffix}",
-        workload,
-        "fused",
-        chapter=14,
-        graphs=True,
-        options={"index": "grid"} if grid else {},
-        cloud=cloud,
-    )
-
-
-VARIANTS: list[Variant] = [
-    Variant("knn/torch", "knn", "torch", chapter=1),
-    _compiled("knn/torch+compile", "torch", 2),
-    Variant("knn/cuml", "knn", "cuml", chapter=3, options={"as_op": False}),
-    Variant(
-        "knn/cuml+compile",
-        "knn",
-        "cuml",
-        compile=True,
-        chapter=3,
-        options={"as_op": False},
-    ),
-    Variant("knn/cuml-op", "knn", "cuml", chapter=3),
-    _compiled("knn/cuml-op+compile", "cuml", 3),
-    _compiled("knn/cuml-op+compile+rmm", "cuml", 4, isolated=True, setup=use_rmm_pool),
-    _compiled(
-        "knn/cuml-op+compile+rmm-rapids",
-        "cuml",
-        4,
-        isolated=True,
-        setup=functools.partial(use_rmm_pool, pytorch=False),
-    ),
-    Variant("knn/triton", "knn", "triton", chapter=8),
-    _compiled("knn/triton+compile", "triton", 8),
-    _compiled("knn/triton+reduce-overhead", "triton", 8, mode="reduce-overhead"),
-    Variant("knn/cpp", "knn", "cpp", chapter=9),
-    _compiled("knn/cpp+compile", "cpp", 9),
-    _compiled("knn/cpp+reduce-overhead", "cpp", 9, mode="reduce-overhead"),
-    Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
+#: The floor variants, which run no backend: everything but the aggregation.
+FLOORS = (
     Variant("knn/floor", "knn", FLOOR, chapter=9),
     Variant("knn/floor+graphs", "knn", FLOOR, chapter=9, graphs=True),
-    Variant("knn/ptx", "knn", "ptx", chapter=10),
-    _compiled("knn/ptx+compile", "ptx", 10),
-    Variant("knn/ptx+graphs", "knn", "ptx", chapter=10, graphs=True),
-    Variant("knn/fused", "knn", "fused", chapter=11),
-    _compiled("knn/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
-    Variant("knn/fused+graphs", "knn", "fused", chapter=11, graphs=True),
-    _compiled(
-        "knn/fused+compile+graphs", "fused", 11, graphs=True, inductor=IN_ONE_GRAPH
-    ),
-    # the same step differentiated with respect to both clouds (chapter 6's gradient)
-    _compiled(
-        "knn/fused+compile+graphs+positions",
-        "fused",
-        11,
-        graphs=True,
-        inductor=IN_ONE_GRAPH,
-        positions=True,
-    ),
-    _compiled("knn/fused+compile+graphs+inductor-defaults", "fused", 11, graphs=True),
-    # The same projector on real CAD surfaces queried in the volume around them, and
-    # with chapter 11's grid instead of the tree (chapter 14).
-    _elsewhere("knn", "panda"),
-    _elsewhere("knn", "spitfire"),
-    _elsewhere("knn", "normal", grid=True),
-    _elsewhere("knn", "panda", grid=True),
-    # Shipped (chapter 15): the fused library built just in time on a first run, and
-    # the projectors compiled in this process against the same compiled into a package.
-    Variant(
-        "knn/fused+graphs+jit",
-        "knn",
-        "fused",
-        chapter=15,
-        graphs=True,
-        isolated=True,
-        jit=True,
-    ),
-    Variant("knn/cpp+aoti", "knn", "cpp", chapter=15, package=True),
-    _compiled("knn/fused+compile", "fused", 15),
-    Variant("knn/fused+aoti", "knn", "fused", chapter=15, package=True),
-    Variant("radius/torch", "radius", "torch", chapter=5),
-    _compiled("radius/torch+compile", "torch", 5),
-    Variant("radius/warp", "radius", "warp", chapter=5),
-    _compiled("radius/warp+compile", "warp", 6),
-    _compiled("radius/warp-manual+compile", "warp", 6, options={"backward": "manual"}),
-    _compiled("radius/warp-saved+compile", "warp", 6, options={"handover": "saved"}),
-    _compiled("radius/warp+reduce-overhead", "warp", 6, mode="reduce-overhead"),
-    Variant("radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False),
-    _compiled("radius/warp+compile+1thread", "warp", 7, backward_thread=False),
-    Variant("radius/warp+graphs", "radius", "warp", chapter=7, graphs=True),
-    # Everything but the aggregation, its backward on the calling thread (chapter 7)
+    # its backward on the calling thread (chapter 7)
     Variant("radius/floor+1thread", "radius", FLOOR, chapter=7, backward_thread=False),
-    Variant("radius/fused", "radius", "fused", chapter=11),
-    _compiled("radius/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
-    Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
-    _compiled(
-        "radius/fused+compile+graphs", "fused", 11, graphs=True, inductor=IN_ONE_GRAPH
-    ),
-    # the same step differentiated with respect to both clouds (chapter 6's gradient)
-    _compiled(
-        "radius/fused+compile+graphs+positions",
-        "fused",
-        11,
-        graphs=True,
-        inductor=IN_ONE_GRAPH,
-        positions=True,
-    ),
-    _compiled("radius/fused+compile", "fused", 15),
-    Variant("radius/fused+aoti", "radius", "fused", chapter=15, package=True),
-    _elsewhere("radius", "panda"),
-    _elsewhere("radius", "outlier"),
     Variant("radius/floor", "radius", FLOOR, chapter=11),
     Variant("radius/floor+graphs", "radius", FLOOR, chapter=11, graphs=True),
-]
+)
+
+
+def variants() -> list[Variant]:
+    """Every variant of the benchmark, generated from the registry: per workload (in
+    the order they first appear), the backends in the order of their chapters (the
+    order of registration among equals), each with its variants in the order its
+    registration builds them, and the floor variants after the last backend of a
+    chapter up to theirs; a variant that names another in ``after`` comes right after
+    it. The list is built again only when the registry has changed, so that the same
+    name gives the same variant meanwhile."""
+    every = registry.registered()
+    cached = _CACHE.get("for")
+    if (
+        cached is None
+        or len(cached) != len(every)
+        or any(a is not b for a, b in zip(cached, every, strict=True))
+    ):
+        _CACHE["for"], _CACHE["variants"] = every, _generated()
+    return list(_CACHE["variants"])
+
+
+_CACHE: dict[str, list] = {}
+
+
+def _generated() -> list[Variant]:
+    this = sys.modules[__name__]
+    taught = sorted(
+        (b for b in registry.registered() if b.book is not None),
+        key=lambda b: b.book.chapter,
+    )
+    built = [(b.book.chapter, b.variants(this)) for b in taught]
+    if any(
+        v.backend != b.name
+        for b, (_, vs) in zip(taught, built, strict=True)
+        for v in vs
+    ):
+        raise ValueError("variants: a backend's book builds variants of another")
+    workloads = dict.fromkeys(
+        v.workload for _, vs in built for v in vs
+    ) | dict.fromkeys(v.workload for v in FLOORS)
+    placed: list[Variant] = []
+    for work in workloads:
+        floors = [v for v in FLOORS if v.workload == work]
+        for chapter, vs in built:
+            placed += [v for v in floors if v.chapter < chapter]
+            floors = [v for v in floors if v.chapter >= chapter]
+            placed += [v for v in vs if v.workload == work]
+        placed += floors
+    ordered = [v for v in placed if v.after is None]
+    for v in placed:
+        if v.after is not None:
+            names = [u.name for u in ordered]
+            where = names.index(v.after) + 1 if v.after in names else len(ordered)
+            ordered.insert(where, v)
+    return ordered
+
+
+def __getattr__(name: str):
+    if name == "VARIANTS":
+        return variants()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def chapters() -> dict[str, int]:
     """The chapter that teaches each variant, by the variant's name (the results page
     and chapter 12 print it beside every row)."""
-    return {v.name: v.chapter for v in VARIANTS}
+    return {v.name: v.chapter for v in variants()}
 
 
 def get(name: str) -> Variant:
     """The variant called ``name``."""
-    for v in VARIANTS:
+    every = variants()
+    for v in every:
         if v.name == name:
             return v
-    raise ValueError(
-        f"name: expected one of {[v.name for v in VARIANTS]}, got {name!r}"
-    )
+    raise ValueError(f"name: expected one of {[v.name for v in every]}, got {name!r}")
 
 
 def baseline_of(variant: Variant) -> str:

@@ -31,7 +31,7 @@ import torch
 
 from .. import clouds, reference
 from ..notebook import versions
-from ..ops import fused, knn, radius_aggregate
+from ..ops import fused, knn, radius_aggregate, registry
 from ..ops.checks import value_checks
 from ..problem import problem
 from ..results import at_size
@@ -39,7 +39,8 @@ from ..timing import time_blocks, time_fn
 
 __all__ = [
     "LIBRARIES",
-    "METHODS",
+    "METHODS",  # noqa: F822  (generated when read, see __getattr__)
+    "search_methods",
     "RADIUS",
     "at_size",
     "bench",
@@ -53,14 +54,24 @@ __all__ = [
     "work_table",
 ]
 
-#: The book's search methods: name -> (backend, options of :func:`extkernels.knn`).
-METHODS = {
-    "fused": ("fused", {}),
-    "fused-grid": ("fused", {"index": "grid"}),
-    "cpp": ("cpp", {}),
-    "triton": ("triton", {}),
-    "cuml": ("cuml", {}),
-}
+
+def search_methods() -> dict[str, tuple[str, dict]]:
+    """The book's search methods, read from the registry (each backend's book record's
+    ``methods``), the latest chapter's first: name -> (backend, options of
+    :func:`extkernels.knn`). :data:`METHODS` is the same, generated when read."""
+    taught = [b for b in registry.registered() if b.book and b.book.methods]
+    taught.sort(key=lambda b: -b.book.chapter)
+    return {
+        name: (b.name, dict(options))
+        for b in taught
+        for name, options in b.book.methods.items()
+    }
+
+
+def __getattr__(name: str):
+    if name == "METHODS":
+        return search_methods()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cuvs(w: clouds.Workload, k: int):
@@ -120,7 +131,7 @@ def searcher(method: str, w: clouds.Workload, k: int):
         return lambda: radius_aggregate(
             w.p_query, w.p_ref, feats, 0.1, 0.1, backend=RADIUS[method]
         )
-    backend, options = METHODS[method]
+    backend, options = search_methods()[method]
     return lambda: knn(w.p_query, w.p_ref, k, backend=backend, **options)
 
 
@@ -281,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
     )
     ap.add_argument("command", choices=["check", "bench", "run"])
-    ap.add_argument("--methods", default=",".join([*METHODS, *LIBRARIES, *RADIUS]))
+    ap.add_argument(
+        "--methods", default=",".join([*search_methods(), *LIBRARIES, *RADIUS])
+    )
     ap.add_argument("--geometries", default=",".join(clouds.GEOMETRIES))
     ap.add_argument("--sizes", default="100000")
     ap.add_argument("--side", type=int, default=30)

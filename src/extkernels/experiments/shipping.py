@@ -35,14 +35,13 @@ import torch
 
 from ..data import query_grid, reference_cloud
 from ..models import KnnAggregation, Projector, RadiusAggregation
-from ..ops import backends, prebuilt
-from ..ops.cpp import build as cpp_build
-from ..ops.fused import build as fused_build
+from ..ops import backends, prebuilt, registry
 from ..problem import Problem
 from ..timing import time_blocks
 
 __all__ = [
-    "BACKENDS",
+    "BACKENDS",  # noqa: F822  (generated when read, see __getattr__)
+    "shipped",
     "SMALL_BACKENDS",
     "operator_nodes",
     "projector",
@@ -80,25 +79,31 @@ def operator_nodes(
     return names
 
 
-#: The projector of each backend that chapter 15 exports and packages: its workload,
-#: the operator libraries a package of it needs (``build.library_file`` of those
-#: backends) and the Python module that defines its operators.
-BACKENDS = {
-    "torch": ("knn", (), None),
-    "cuml": ("knn", (), "extkernels.ops.cuml"),
-    "triton": ("knn", (), "extkernels.ops.triton"),
-    "cpp": ("knn", ("cpp",), None),
-    "ptx": ("knn", ("cpp",), "extkernels.ops.ptx"),
-    "fused": ("knn", ("cpp", "fused"), None),
-    "warp": ("radius", (), "extkernels.ops.warp"),
-}
+def shipped() -> dict[str, tuple[str, tuple[str, ...], str | None]]:
+    """The projector of each backend that chapter 15 exports and packages, read from
+    the registry (the backends whose book record says ``shipped``), knn ones first and
+    each workload's in the order of their chapters: backend -> (its workload, the
+    backends whose operator libraries a package of it needs, the Python module that
+    defines its operators or ``None``). :data:`BACKENDS` is the same, generated when
+    read."""
+    ships = [b for b in registry.registered() if b.book and b.book.shipped]
+    ships.sort(key=lambda b: (b.book.shipped != "knn", b.book.chapter))
+    return {
+        b.name: (b.book.shipped, tuple(b.libraries), b.python_module) for b in ships
+    }
+
+
+def __getattr__(name: str):
+    if name == "BACKENDS":
+        return shipped()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def projector(backend: str, prob: Problem) -> tuple[torch.nn.Module, tuple]:
     """The projector of ``backend`` (its workload of :data:`BACKENDS`) at ``prob``'s
     sizes, in eval mode, run once (which loads its library before any trace), and its
     inputs ``(p_query, p_ref)``."""
-    workload = BACKENDS[backend][0]
+    workload = shipped()[backend][0]
     p_ref = reference_cloud(
         prob.cloud_size(workload), seed=prob.seed, device=prob.device
     )
@@ -115,7 +120,7 @@ def projector(backend: str, prob: Problem) -> tuple[torch.nn.Module, tuple]:
 
 
 def _here() -> list[str]:
-    return [b for b, (w, _, _) in BACKENDS.items() if b in backends(f"{w}_aggregate")]
+    return [b for b, (w, _, _) in shipped().items() if b in backends(f"{w}_aggregate")]
 
 
 def export_table(prob: Problem) -> pd.DataFrame:
@@ -172,13 +177,13 @@ def package_table(
     not timed: the table shows outcomes only."""
     if backends is None:
         backends = [b for b in _here() if not prob.small or b in SMALL_BACKENDS]
-    unknown = sorted(set(backends) - set(BACKENDS))
+    every = shipped()
+    unknown = sorted(set(backends) - set(every))
     if unknown:
-        raise ValueError(f"backends: expected some of {list(BACKENDS)}, got {unknown}")
-    libraries = {"cpp": cpp_build.library_file, "fused": fused_build.library_file}
+        raise ValueError(f"backends: expected some of {list(every)}, got {unknown}")
     rows = []
     for backend in backends:
-        _, libs, module = BACKENDS[backend]
+        _, libs, module = every[backend]
         model, inputs = projector(backend, prob)
         with torch.no_grad():
             expected = model(*inputs)
@@ -189,7 +194,7 @@ def package_table(
             expected,
             seconds=None,
         )
-        loaded = [libraries[n]() for n in libs]
+        loaded = [registry.get(n).library() for n in libs]
         runs = {"nothing": fresh()}
         if libs:
             runs["its libraries"] = fresh(libraries=loaded)

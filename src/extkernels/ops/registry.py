@@ -1,16 +1,34 @@
 """Backends as plug-ins: one record per backend, one registration each (chapter 3 adds
 the second backend; every later chapter adds one the same way).
 
-A :class:`Backend` names the devices it runs on, a test of whether its library is
-installed, and its implementation of each operation it provides. A kNN backend writes
-only its search: ``knn_aggregate`` is then derived from it (the search under
-``no_grad``, then :func:`~extkernels.ops.gather.softmax_gather`), so every kNN backend
-is a projector at once. ``operators`` names the backend's custom operators that take an
-operation's arguments, so that the conformance suite (``tests/test_backends.py``) runs
-``opcheck`` on them: a new backend gets the suite by registering. The record also
-carries what the book says of the backend elsewhere: the ``toolchain`` a reader needs
-beside PyTorch (the guide of chapter 12 prints it), and either its variants in the
-benchmark (``extkernels.variants``) or why it has none (``not_benchmarked``).
+The registry is the one place where facts about a backend live, in two records:
+
+- :class:`Backend`, the runtime record: the devices it runs on, a test of whether its
+  library is installed, its implementation of each operation it provides, the custom
+  operators that implement them (``operators``; whether each has an autograd formula
+  is read from the dispatcher, :meth:`Backend.has_autograd`, never restated), the
+  gradients it takes with respect to the clouds, and the compiled libraries it needs
+  (``library``: the file of its own; ``libraries``: the backends whose files a process
+  without this package loads to run it; ``python_module``: the module that defines its
+  operators in Python, if any).
+- :class:`Book`, the book record (``Backend.book``): the chapter that teaches it, the
+  ``toolchain`` a reader needs beside PyTorch (the guide of chapter 12 prints it), its
+  variants in the benchmark (``variants``, a function that builds them, so that this
+  module imports nothing of :mod:`extkernels.variants`) or why it has none
+  (``not_benchmarked``), its search methods in chapter 14 (``methods``) and the
+  workload of the projector chapter 15 packages (``shipped``).
+
+Everything else that lists backends is generated from these records:
+:data:`extkernels.variants.VARIANTS`, :data:`extkernels.experiments.geometry.METHODS`
+and :data:`extkernels.experiments.shipping.BACKENDS` are read from the registry when
+asked for, so a backend registered later (a test's) is in them too.
+
+A kNN backend writes only its search: ``knn_aggregate`` is then derived from it (the
+search under ``no_grad``, then :func:`~extkernels.ops.gather.softmax_gather`), so every
+kNN backend is a projector at once. ``operators`` names the backend's custom operators
+that take an operation's arguments, so that the conformance suite
+(``tests/test_backends.py``) runs ``opcheck`` on them: a new backend gets the suite by
+registering.
 
 A backend is one folder, ``ops/<backend>/``, whose ``__init__`` registers it:
 ``extkernels.ops`` imports every such folder it finds, so that adding a backend edits no
@@ -26,7 +44,7 @@ every machine builds for its own GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +56,7 @@ __all__ = [
     "OPERATIONS",
     "CUDAGRAPH_UNSAFE",
     "Backend",
+    "Book",
     "register",
     "registered",
     "get",
@@ -77,6 +96,35 @@ def _derive_knn_aggregate(knn: Callable) -> Callable:
 
 
 @dataclass(frozen=True)
+class Book:
+    """What the book says of a backend beside its code.
+
+    Attributes:
+        chapter: the chapter that teaches it.
+        toolchain: what a reader needs on their machine beyond PyTorch to run it, as
+            the guide prints it (``"PyTorch only"``, ``"the warp-lang wheel"``...).
+        variants: builds its variants of the benchmark (a list of
+            :class:`extkernels.variants.Variant`, in the benchmark's order) from the
+            module :mod:`extkernels.variants`, which it is given as its one argument,
+            whenever :data:`extkernels.variants.VARIANTS` is read.
+        not_benchmarked: why the benchmark has no variant of it; ``None`` (the
+            default) when ``variants`` builds some (a test holds every registered
+            backend to one or the other).
+        methods: its kNN search methods of chapter 14's geometry command: name ->
+            options of :func:`extkernels.knn`.
+        shipped: the workload (``"knn"`` or ``"radius"``) of its projector that
+            chapter 15 exports and packages; ``None`` for none.
+    """
+
+    chapter: int = 1
+    toolchain: str = ""
+    variants: Callable[[], Sequence] | None = None
+    not_benchmarked: str | None = None
+    methods: Mapping[str, Mapping] = field(default_factory=dict)
+    shipped: str | None = None
+
+
+@dataclass(frozen=True)
 class Backend:
     """One backend: where it runs and what it implements.
 
@@ -92,18 +140,21 @@ class Backend:
         operators: operation -> qualified name (``"lib::name"``) of the custom operator
             that implements it with the operation's own arguments (what ``opcheck`` runs
             on).
-        chapter: the chapter that teaches it.
         prepare: makes its custom operators exist (a just-in-time build of compiled
             ones); called before :meth:`operator` looks one up.
-        toolchain: what a reader needs on their machine beyond PyTorch to run it, as
-            the guide prints it (``"PyTorch only"``, ``"the warp-lang wheel"``...).
-        not_benchmarked: why the benchmark has no variant of it; ``None`` (the
-            default) when it has, in :data:`extkernels.variants.VARIANTS` (a test
-            holds every registered backend to one or the other).
         position_grads: the operations it differentiates with respect to ``p_query``
             and ``p_ref`` (see :mod:`~extkernels.ops.positions`); a call of any other
             whose clouds require grad is refused at forward time. A derived
             ``knn_aggregate`` is differentiable where ``knn`` is.
+        library: the file of its own compiled operator library (what
+            ``torch.ops.load_library`` loads in a process without this package),
+            built or found when called; ``None`` when it has none to build.
+        libraries: the backends whose ``library`` a process without this package
+            loads to run its operators, in order.
+        python_module: the module that defines its operators in Python, which such a
+            process must import; ``None`` when they need no Python.
+        book: what the book says of it (:class:`Book`); ``None`` for a backend the
+            book does not teach.
     """
 
     name: str
@@ -113,11 +164,12 @@ class Backend:
     knn_aggregate: Callable | None = None
     radius_aggregate: Callable | None = None
     operators: Mapping[str, str] = field(default_factory=dict)
-    chapter: int = 1
     prepare: Callable[[], object] = _always
-    toolchain: str = ""
-    not_benchmarked: str | None = None
     position_grads: tuple[str, ...] = ()
+    library: Callable[[], object] | None = None
+    libraries: tuple[str, ...] = ()
+    python_module: str | None = None
+    book: Book | None = None
 
     def __post_init__(self) -> None:
         if self.knn is not None and self.knn_aggregate is None:
@@ -136,6 +188,31 @@ class Backend:
             raise ValueError(
                 f"operators: expected keys among {OPERATIONS}, got {sorted(unknown)}"
             )
+
+    @property
+    def chapter(self) -> int | None:
+        """The chapter that teaches it (its book record's)."""
+        return self.book.chapter if self.book else None
+
+    @property
+    def toolchain(self) -> str:
+        """What a reader installs for it beyond PyTorch (its book record's)."""
+        return self.book.toolchain if self.book else ""
+
+    @property
+    def not_benchmarked(self) -> str | None:
+        """Why the benchmark has no variant of it (its book record's); a backend
+        without a book record is no part of the book."""
+        if self.book is None:
+            return "no part of the book"
+        return self.book.not_benchmarked
+
+    def variants(self, kit) -> list:
+        """Its variants of the benchmark, as its book record builds them with ``kit``
+        (the module :mod:`extkernels.variants`, which the registry does not import)."""
+        if self.book is None or self.book.variants is None:
+            return []
+        return list(self.book.variants(kit))
 
     def implements(self, op: str) -> bool:
         """Whether it provides operation ``op`` (directly or derived)."""

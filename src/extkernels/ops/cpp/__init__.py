@@ -13,7 +13,7 @@ import shutil
 import torch
 
 from ..checks import value_checks_on, values_checked
-from ..registry import Backend, register
+from ..registry import Backend, Book, register
 
 __all__ = ["BACKEND", "available", "call", "prepare"]
 
@@ -64,6 +64,12 @@ def _knn_aggregate(p_query, p_ref, feats, k, sigma):
     return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma)[0]
 
 
+def _library():
+    from . import build
+
+    return build.library_file()
+
+
 BACKEND = register(
     Backend(
         "cpp",
@@ -74,9 +80,30 @@ BACKEND = register(
             "knn": "extkernels_cpp::knn",
             "knn_aggregate": "extkernels_cpp::knn_aggregate_fwd",
         },
-        chapter=9,
-        toolchain="nvcc and a C++ compiler; compiled once per machine",
         position_grads=("knn", "knn_aggregate"),
         prepare=prepare,
+        library=_library,
+        libraries=("cpp",),
+        book=Book(
+            chapter=9,
+            toolchain="nvcc and a C++ compiler; compiled once per machine",
+            variants=lambda v: [
+                v.Variant("knn/cpp", "knn", "cpp", chapter=9),
+                v.compiled("knn/cpp+compile", "cpp", 9),
+                v.compiled("knn/cpp+reduce-overhead", "cpp", 9, mode="reduce-overhead"),
+                v.Variant("knn/cpp+graphs", "knn", "cpp", chapter=9, graphs=True),
+                # packaged (chapter 15), beside the fused library built just in time
+                v.Variant(
+                    "knn/cpp+aoti",
+                    "knn",
+                    "cpp",
+                    chapter=15,
+                    package=True,
+                    after="knn/fused+graphs+jit",
+                ),
+            ],
+            methods={"cpp": {}},
+            shipped="knn",
+        ),
     )
 )

@@ -10,11 +10,12 @@ equal distance (every other backend takes the lowest reference index first).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
-from ..registry import Backend, register
+from ..registry import Backend, Book, register
 from .ops import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -58,6 +59,30 @@ def knn(
     return knn_plain(p_query, p_ref, k, algorithm)
 
 
+def _variants(v) -> list:
+    """Its variants of the benchmark (chapters 3 and 4), built with
+    :mod:`extkernels.variants` (``v``)."""
+    plain = {"as_op": False}
+    return [
+        v.Variant("knn/cuml", "knn", "cuml", chapter=3, options=plain),
+        v.Variant(
+            "knn/cuml+compile", "knn", "cuml", compile=True, chapter=3, options=plain
+        ),
+        v.Variant("knn/cuml-op", "knn", "cuml", chapter=3),
+        v.compiled("knn/cuml-op+compile", "cuml", 3),
+        v.compiled(
+            "knn/cuml-op+compile+rmm", "cuml", 4, isolated=True, setup=v.use_rmm_pool
+        ),
+        v.compiled(
+            "knn/cuml-op+compile+rmm-rapids",
+            "cuml",
+            4,
+            isolated=True,
+            setup=functools.partial(v.use_rmm_pool, pytorch=False),
+        ),
+    ]
+
+
 BACKEND = register(
     Backend(
         "cuml",
@@ -65,8 +90,14 @@ BACKEND = register(
         available=available,
         knn=knn,
         operators={"knn": "cuml::knn"},
-        chapter=3,
         position_grads=("knn",),
-        toolchain="the RAPIDS wheels (cuML, RMM, CuPy)",
+        python_module=__name__,
+        book=Book(
+            chapter=3,
+            toolchain="the RAPIDS wheels (cuML, RMM, CuPy)",
+            variants=lambda v: _variants(v),
+            methods={"cuml": {}},
+            shipped="knn",
+        ),
     )
 )

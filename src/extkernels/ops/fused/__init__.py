@@ -21,7 +21,7 @@ library is built just in time like chapter 9's (:mod:`~.build`).
 import torch
 
 from .. import checks, cpp, positions
-from ..registry import OPERATIONS, Backend, register
+from ..registry import OPERATIONS, Backend, Book, register
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
 __all__ = [
@@ -146,6 +146,93 @@ def radius_aggregate_with_totals(
     return out, totals
 
 
+def _library():
+    from . import build
+
+    return build.library_file()
+
+
+def _elsewhere(v, workload: str, cloud: str, *, grid: bool = False):
+    """The fused projector in one CUDA graph on another cloud (``name@cloud``), or with
+    chapter 11's grid instead of the tree (chapter 14)."""
+    suffix = "" if cloud == "normal" else f"@{cloud}"
+    return v.Variant(
+        f"{workload}/fused{'-grid' if grid else ''}+graphs{suffix}",
+        workload,
+        "fused",
+        chapter=14,
+        graphs=True,
+        options={"index": "grid"} if grid else {},
+        cloud=cloud,
+    )
+
+
+def _variants(v) -> list:
+    """Its variants of the benchmark (chapters 11, 14 and 15), built with
+    :mod:`extkernels.variants` (``v``)."""
+    one_graph = v.IN_ONE_GRAPH
+    knn = [
+        v.Variant("knn/fused", "knn", "fused", chapter=11),
+        v.compiled("knn/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
+        v.Variant("knn/fused+graphs", "knn", "fused", chapter=11, graphs=True),
+        v.compiled(
+            "knn/fused+compile+graphs", "fused", 11, graphs=True, inductor=one_graph
+        ),
+        # the same step differentiated with respect to both clouds (chapter 6)
+        v.compiled(
+            "knn/fused+compile+graphs+positions",
+            "fused",
+            11,
+            graphs=True,
+            inductor=one_graph,
+            positions=True,
+        ),
+        v.compiled(
+            "knn/fused+compile+graphs+inductor-defaults", "fused", 11, graphs=True
+        ),
+        # On real CAD surfaces queried in the volume around them, and with chapter
+        # 11's grid instead of the tree (chapter 14).
+        _elsewhere(v, "knn", "panda"),
+        _elsewhere(v, "knn", "spitfire"),
+        _elsewhere(v, "knn", "normal", grid=True),
+        _elsewhere(v, "knn", "panda", grid=True),
+        # Shipped (chapter 15): the library built just in time on a first run, and the
+        # projector compiled in this process against the same compiled into a package.
+        v.Variant(
+            "knn/fused+graphs+jit",
+            "knn",
+            "fused",
+            chapter=15,
+            graphs=True,
+            isolated=True,
+            jit=True,
+        ),
+        v.compiled("knn/fused+compile", "fused", 15),
+        v.Variant("knn/fused+aoti", "knn", "fused", chapter=15, package=True),
+    ]
+    radius = [
+        v.Variant("radius/fused", "radius", "fused", chapter=11),
+        v.compiled("radius/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
+        v.Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
+        v.compiled(
+            "radius/fused+compile+graphs", "fused", 11, graphs=True, inductor=one_graph
+        ),
+        v.compiled(
+            "radius/fused+compile+graphs+positions",
+            "fused",
+            11,
+            graphs=True,
+            inductor=one_graph,
+            positions=True,
+        ),
+        v.compiled("radius/fused+compile", "fused", 15),
+        v.Variant("radius/fused+aoti", "radius", "fused", chapter=15, package=True),
+        _elsewhere(v, "radius", "panda"),
+        _elsewhere(v, "radius", "outlier"),
+    ]
+    return knn + radius
+
+
 BACKEND = register(
     Backend(
         "fused",
@@ -158,9 +245,16 @@ BACKEND = register(
             "knn_aggregate": "extkernels_fused::knn_aggregate_fwd",
             "radius_aggregate": "extkernels_fused::radius_aggregate_fwd",
         },
-        chapter=11,
-        toolchain=cpp.BACKEND.toolchain,  # chapter 9's
         prepare=prepare,
         position_grads=OPERATIONS,
+        library=_library,
+        libraries=(*cpp.BACKEND.libraries, "fused"),  # its CPU kernels call chapter 9's
+        book=Book(
+            chapter=11,
+            toolchain=cpp.BACKEND.toolchain,  # chapter 9's
+            variants=lambda v: _variants(v),
+            methods={"fused": {}, "fused-grid": {"index": "grid"}},
+            shipped="knn",
+        ),
     )
 )

@@ -13,7 +13,7 @@ import importlib.util
 import torch
 
 from .. import cpp
-from ..registry import Backend, lookup, register
+from ..registry import Backend, Book, lookup, register
 
 __all__ = ["BACKEND", "available"]
 
@@ -35,9 +35,19 @@ BACKEND = register(
         "ptx",
         available=available,
         knn_aggregate=_knn_aggregate,
-        chapter=10,
-        toolchain="pyptx",
         position_grads=("knn_aggregate",),
+        libraries=cpp.BACKEND.libraries,  # the search's
+        python_module=__name__,
+        book=Book(
+            chapter=10,
+            toolchain="pyptx",
+            variants=lambda v: [
+                v.Variant("knn/ptx", "knn", "ptx", chapter=10),
+                v.compiled("knn/ptx+compile", "ptx", 10),
+                v.Variant("knn/ptx+graphs", "knn", "ptx", chapter=10, graphs=True),
+            ],
+            shipped="knn",
+        ),
     )
 )
 

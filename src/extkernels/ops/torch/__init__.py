@@ -4,9 +4,12 @@ traces it.
 
 Its ``knn_aggregate`` is the registry's derived one (the search, then
 :func:`~extkernels.ops.gather.softmax_gather`), like every kNN backend's.
+
+The lambda of its book record builds its variants of the benchmark from
+:mod:`extkernels.variants`, which it is given (a backend imports nothing above it).
 """
 
-from ..registry import Backend, register
+from ..registry import Backend, Book, register
 from .brute_force import knn, radius_aggregate
 
 __all__ = ["BACKEND", "knn", "radius_aggregate"]
@@ -16,8 +19,17 @@ BACKEND = register(
         "torch",
         knn=knn,
         radius_aggregate=radius_aggregate,
-        chapter=1,
-        toolchain="PyTorch only",
         position_grads=("knn", "radius_aggregate"),
+        book=Book(
+            chapter=1,
+            toolchain="PyTorch only",
+            variants=lambda v: [
+                v.Variant("knn/torch", "knn", "torch", chapter=1),
+                v.compiled("knn/torch+compile", "torch", 2),
+                v.Variant("radius/torch", "radius", "torch", chapter=5),
+                v.compiled("radius/torch+compile", "torch", 5),
+            ],
+            shipped="knn",
+        ),
     )
 )

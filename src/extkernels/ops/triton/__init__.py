@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from ..registry import Backend, register
+from ..registry import Backend, Book, register
 
 __all__ = ["BACKEND", "available"]
 
@@ -45,9 +45,21 @@ BACKEND = register(
             "knn": "triton_knn::knn",
             "knn_aggregate": "triton_knn::knn_aggregate_fwd",
         },
-        chapter=8,
-        toolchain="PyTorch only (Triton ships with it)",
         position_grads=("knn", "knn_aggregate"),
+        python_module=__name__,
+        book=Book(
+            chapter=8,
+            toolchain="PyTorch only (Triton ships with it)",
+            variants=lambda v: [
+                v.Variant("knn/triton", "knn", "triton", chapter=8),
+                v.compiled("knn/triton+compile", "triton", 8),
+                v.compiled(
+                    "knn/triton+reduce-overhead", "triton", 8, mode="reduce-overhead"
+                ),
+            ],
+            methods={"triton": {}},
+            shipped="knn",
+        ),
     )
 )
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import capture
-from ..registry import Backend, register
+from ..registry import Backend, Book, register
 from .grids import POOL
 from .interop import registered_capture, warp
 from .ops import BACKWARDS
@@ -110,6 +110,28 @@ def radius_aggregate(
 # interop.registered_capture).
 capture.register_hook(registered_capture)
 
+
+def _variants(v) -> list:
+    """Its variants of the benchmark (chapters 5 to 7), built with
+    :mod:`extkernels.variants` (``v``)."""
+    return [
+        v.Variant("radius/warp", "radius", "warp", chapter=5),
+        v.compiled("radius/warp+compile", "warp", 6),
+        v.compiled(
+            "radius/warp-manual+compile", "warp", 6, options={"backward": "manual"}
+        ),
+        v.compiled(
+            "radius/warp-saved+compile", "warp", 6, options={"handover": "saved"}
+        ),
+        v.compiled("radius/warp+reduce-overhead", "warp", 6, mode="reduce-overhead"),
+        v.Variant(
+            "radius/warp+1thread", "radius", "warp", chapter=7, backward_thread=False
+        ),
+        v.compiled("radius/warp+compile+1thread", "warp", 7, backward_thread=False),
+        v.Variant("radius/warp+graphs", "radius", "warp", chapter=7, graphs=True),
+    ]
+
+
 BACKEND = register(
     Backend(
         "warp",
@@ -117,7 +139,12 @@ BACKEND = register(
         radius_aggregate=radius_aggregate,
         operators={"radius_aggregate": "warp::radius_aggregate"},
         position_grads=("radius_aggregate",),
-        chapter=5,
-        toolchain="the warp-lang wheel",
+        python_module=__name__,
+        book=Book(
+            chapter=5,
+            toolchain="the warp-lang wheel",
+            variants=lambda v: _variants(v),
+            shipped="radius",
+        ),
     )
 )
