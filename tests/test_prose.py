@@ -6,6 +6,7 @@ fenced blocks (code, directives) and HTML comments, counted in whitespace-separa
 words, as a reader meets it."""
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import nbformat
@@ -231,25 +232,31 @@ GLUE_KEY = re.compile(r"\{glue(?::[a-z]+)?\}`([A-Za-z0-9_]+)")
 RECORD = "application/papermill.record/text/plain"
 
 
+def glue_records(path: Path) -> list[tuple[str, str]]:
+    """The ``(name, value)`` a notebook glued, in order, as stored (the value's
+    ``text/plain`` form)."""
+    return [
+        (out.get("metadata", {}).get("scrapbook", {}).get("name"), out["data"][RECORD])
+        for cell in nbformat.read(path, as_version=4).cells
+        for out in (cell.get("outputs", []) if cell.cell_type == "code" else [])
+        if RECORD in out.get("data", {})
+    ]
+
+
 def glued_values(path: Path) -> dict[str, str]:
-    """The values a notebook glued, as stored (their ``text/plain`` form)."""
-    values = {}
-    for cell in nbformat.read(path, as_version=4).cells:
-        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            if RECORD in out.get("data", {}):
-                name = out.get("metadata", {}).get("scrapbook", {}).get("name")
-                values[name] = out["data"][RECORD]
-    return values
+    """The values a notebook glued, by name (the last, where one is glued twice)."""
+    return dict(glue_records(path))
+
+
+def written(value: str) -> bool:
+    """Whether a glued value is a judgement, or a sentence that is not an error."""
+    sentence = value[:1] in "'\"" and len(value.split()) >= 5
+    return bool(VERDICT.search(value)) or (sentence and not ERROR.match(value))
 
 
 def verdicts_in_prose(path: Path) -> list[str]:
     values = glued_values(path)
     keys = {k for m in markdown(path) for k in GLUE_KEY.findall(prose(m))}
-
-    def written(value: str) -> bool:
-        sentence = value[:1] in "'\"" and len(value.split()) >= 5
-        return bool(VERDICT.search(value)) or (sentence and not ERROR.match(value))
-
     return sorted(
         f"{k} = {values[k]}" for k in keys if k in values and written(values[k])
     )
@@ -296,11 +303,6 @@ VERDICTS_UNTIL_EXECUTED = {"04_rmm_pool", "12_scaling"}
 
 def generated_judgements(path: Path) -> list[str]:
     """Every value a page glues (quoted or not) that is a judgement or a sentence."""
-
-    def written(value: str) -> bool:
-        sentence = value[:1] in "'\"" and len(value.split()) >= 5
-        return bool(VERDICT.search(value)) or (sentence and not ERROR.match(value))
-
     return sorted(f"{k} = {v}" for k, v in glued_values(path).items() if written(v))
 
 
@@ -315,13 +317,7 @@ def test_no_page_glues_a_judgement(path):
 
 def glue_counts(path: Path) -> dict[str, int]:
     """How many stored outputs glue each name on a page."""
-    counts: dict[str, int] = {}
-    for cell in nbformat.read(path, as_version=4).cells:
-        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            if RECORD in out.get("data", {}):
-                name = out.get("metadata", {}).get("scrapbook", {}).get("name")
-                counts[name] = counts.get(name, 0) + 1
-    return counts
+    return dict(Counter(name for name, _ in glue_records(path)))
 
 
 @pytest.mark.parametrize("path", [p for p in PAGES if p.suffix == ".ipynb"], ids=str)

@@ -68,6 +68,20 @@ def _check_knn_aggregate(aggregate):
     return q, r, x
 
 
+def _check_search_and_model(d, i, q, r, knn_aggregate):
+    # A search's (d, i) on (q, r) against the brute force, then the aggregation built
+    # on it against the brute force and, in chapter 1's projector, compiled and trained.
+    want, want_i = _pairwise(q, r).topk(prob.k, dim=1, largest=False)
+    assert torch.allclose(d, want, atol=1e-5), "distances"
+    assert torch.equal(i.sort(1).values, want_i.sort(1).values), "neighbours"
+    _check_knn_aggregate(lambda *a: knn_aggregate(*a))
+    torch.manual_seed(prob.seed)
+    model = Projector(lambda *a: knn_aggregate(*a, prob.k, prob.sigma))
+    n = q.shape[0]
+    ours = train(torch.compile(model, fullgraph=True), q, r, target[:n], steps=3)
+    assert len(ours) == 3 and all(map(math.isfinite, ours)), ours
+
+
 def _radius_aggregate_brute(q, r, f, radius, sigma):
     d = _pairwise(q, r)
     w = torch.where(d <= radius, torch.exp(-d / sigma), 0.0)
@@ -165,16 +179,8 @@ CHAPTERS = {
         "",
         """
         q, r = p_query[:64], p_ref[:500]
-        d, i = tree_knn(q, r, prob.k)
-        want, want_i = _pairwise(q, r).topk(prob.k, dim=1, largest=False)
-        assert torch.allclose(d, want, atol=1e-5), "tree_knn: distances"
-        assert torch.equal(i.sort(1).values, want_i.sort(1).values), "neighbours"
         torch.library.opcheck(tree_knn, (q, r, prob.k))
-        _check_knn_aggregate(lambda *a: knn_aggregate(*a))
-        torch.manual_seed(prob.seed)
-        model = Projector(lambda *a: knn_aggregate(*a, prob.k, prob.sigma))
-        ours = train(torch.compile(model, fullgraph=True), q, r, target[:64], steps=3)
-        assert len(ours) == 3 and all(map(math.isfinite, ours)), ours
+        _check_search_and_model(*tree_knn(q, r, prob.k), q, r, knn_aggregate)
         """,
     ),
     "15_shipping": (
@@ -185,15 +191,8 @@ CHAPTERS = {
         distances = torch.empty(64, prob.k)
         indices = torch.empty(64, prob.k, dtype=torch.long)
         knn_into(q, r, prob.k, distances, indices)
-        want, want_i = _pairwise(q, r).topk(prob.k, dim=1, largest=False)
-        assert torch.allclose(distances, want, atol=1e-5), "knn_into: distances"
-        assert torch.equal(indices.sort(1).values, want_i.sort(1).values), "neighbours"
+        _check_search_and_model(distances, indices, q, r, knn_aggregate)
         torch.library.opcheck(knn_into, (q, r, prob.k, distances, indices))
-        _check_knn_aggregate(lambda *a: knn_aggregate(*a))
-        torch.manual_seed(prob.seed)
-        model = Projector(lambda *a: knn_aggregate(*a, prob.k, prob.sigma))
-        ours = train(torch.compile(model, fullgraph=True), q, r, target[:64], steps=3)
-        assert len(ours) == 3 and all(map(math.isfinite, ours)), ours
         """,
     ),
     "08_triton_knn": (

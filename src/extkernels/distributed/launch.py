@@ -64,11 +64,10 @@ def init(
     default a machine with at least ``world`` GPUs gives every rank its own, over NCCL.
     """
     os.environ.update(NO_MULTICAST)
-    device = device or os.environ.get("EXTKERNELS_DEVICE", "").strip().lower() or None
-    gpus = torch.cuda.device_count() if device != "cpu" else 0
-    if device == "cuda" and gpus < world:
+    device = _requested(device)
+    if device == "cuda" and (gpus := torch.cuda.device_count()) < world:
         raise RuntimeError(f"world: expected at most {gpus} ranks (GPUs), got {world}")
-    if gpus >= world:
+    if not _on_cpu(world, device):
         local = int(os.environ.get("LOCAL_RANK", rank))
         here = torch.device("cuda", local)
         torch.cuda.set_device(here)
@@ -88,9 +87,14 @@ def init(
     return here
 
 
+def _requested(device: str | None) -> str | None:
+    """The device asked for: ``device``, else ``EXTKERNELS_DEVICE``, else ``None``."""
+    return device or os.environ.get("EXTKERNELS_DEVICE", "").strip().lower() or None
+
+
 def _on_cpu(world: int, device: str | None) -> bool:
-    """Whether :func:`init` will put ``world`` ranks on the CPU (gloo)."""
-    device = device or os.environ.get("EXTKERNELS_DEVICE", "").strip().lower() or None
+    """Whether :func:`init` puts ``world`` ranks on the CPU (gloo)."""
+    device = _requested(device)
     return device == "cpu" or (device != "cuda" and torch.cuda.device_count() < world)
 
 
