@@ -92,4 +92,4 @@ def test_the_geometry_methods_are_the_books_in_its_order():
 
 
 def test_the_packaged_backends_are_the_books_in_its_order():
-    assert list(shipping.BACKENDS.items()) == list(BOOK_SHIPPED.items())
+    assert list(shipping.shipped().items()) == list(BOOK_SHIPPED.items())

@@ -40,7 +40,6 @@ from ..problem import Problem
 from ..timing import time_blocks
 
 __all__ = [
-    "BACKENDS",  # noqa: F822  (generated when read, see __getattr__)
     "shipped",
     "SMALL_BACKENDS",
     "operator_nodes",
@@ -84,8 +83,7 @@ def shipped() -> dict[str, tuple[str, tuple[str, ...], str | None]]:
     the registry (the backends whose book record says ``shipped``), knn ones first and
     each workload's in the order of their chapters: backend -> (its workload, the
     backends whose operator libraries a package of it needs, the Python module that
-    defines its operators or ``None``). :data:`BACKENDS` is the same, generated when
-    read."""
+    defines its operators or ``None``)."""
     ships = [b for b in registry.registered() if b.book and b.book.shipped]
     ships.sort(key=lambda b: (b.book.shipped != "knn", b.book.chapter))
     return {
@@ -93,14 +91,8 @@ def shipped() -> dict[str, tuple[str, tuple[str, ...], str | None]]:
     }
 
 
-def __getattr__(name: str):
-    if name == "BACKENDS":
-        return shipped()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def projector(backend: str, prob: Problem) -> tuple[torch.nn.Module, tuple]:
-    """The projector of ``backend`` (its workload of :data:`BACKENDS`) at ``prob``'s
+    """The projector of ``backend`` (its workload of :func:`shipped`) at ``prob``'s
     sizes, in eval mode, run once (which loads its library before any trace), and its
     inputs ``(p_query, p_ref)``."""
     workload = shipped()[backend][0]

@@ -20,7 +20,7 @@ The registry is the one place where facts about a backend live, in two records:
 
 Everything else that lists backends is generated from these records:
 :data:`extkernels.variants.VARIANTS`, :data:`extkernels.experiments.geometry.METHODS`
-and :data:`extkernels.experiments.shipping.BACKENDS` are read from the registry when
+and :func:`extkernels.experiments.shipping.shipped` are read from the registry when
 asked for, so a backend registered later (a test's) is in them too.
 
 A kNN backend writes only its search: ``knn_aggregate`` is then derived from it (the
