@@ -17,7 +17,7 @@ import pandas as pd
 
 from . import clouds
 from .reference import anchor_figures, not_like_for_like
-from .timing import summary, verdict
+from .timing import summary
 
 __all__ = [
     "BENCHMARK",
@@ -281,9 +281,7 @@ def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | st
     slowest training step and the number of variants; the runner-up (``*_runner_up``,
     its step ``*_runner_up_train``), the fastest of the others that is not the fastest
     with an option added (``+inductor-defaults``: the same projector with one setting
-    changed, not another way to build it), and, where the table has the runs' ranges,
-    the fastest against it in words (``*_best_vs_runner_up``: "faster than" only when
-    the ranges of the training steps do not overlap)."""
+    changed, not another way to build it)."""
     out = {}
     for workload, part in parts.items():
         exact = part[~part.index.str.contains("floor")]
@@ -295,8 +293,6 @@ def variant_quotes(parts: dict[str, pd.DataFrame]) -> dict[str, float | int | st
         out[f"{key}_best_train"] = float(exact["train_ms"].iloc[0])
         out[f"{key}_runner_up"] = second
         out[f"{key}_runner_up_train"] = float(exact.at[second, "train_ms"])
-        if {"train_min", "train_max"} <= set(exact.columns):
-            out[f"{key}_best_vs_runner_up"] = verdict(exact, best, second, "train")
         out[f"{key}_best_fwd"] = float(exact["forward_ms"].min())
         out[f"{key}_worst_train"] = float(exact["train_ms"].iloc[-1])
         out[f"{key}_n_variants"] = len(part)

@@ -40,8 +40,6 @@ __all__ = [
     "timings_frame",
     "summary",
     "compare",
-    "verdict",
-    "ranked",
     "above_floor",
     "forward_peak_mb",
 ]
@@ -276,28 +274,6 @@ def compare(
             "ranges overlap": bool(ra[lo] <= rb[hi] and rb[lo] <= ra[hi]),
         }
     return pd.DataFrame(rows).T.rename_axis("comparison")
-
-
-def verdict(df: pd.DataFrame, a: str, b: str, metric: str = "forward") -> str:
-    """How variant ``a`` compares with ``b`` in ``metric`` (``forward`` or ``train``),
-    for prose: ``"faster than"`` or ``"slower than"`` only when their ranges of repeated
-    runs do not overlap, otherwise ``"within the run-to-run spread of"``."""
-    lo, hi = f"{metric}_min", f"{metric}_max"
-    return ranked(
-        (df.loc[a, lo], df.loc[a, hi]),
-        (df.loc[b, lo], df.loc[b, hi]),
-        same="within the run-to-run spread of",
-    )
-
-
-def ranked(a: tuple[float, float], b: tuple[float, float], *, same: str) -> str:
-    """``"faster than"`` when time range ``a = (low, high)`` lies wholly below ``b``,
-    ``"slower than"`` when wholly above, otherwise ``same`` (the ranges overlap)."""
-    if a[1] < b[0]:
-        return "faster than"
-    if a[0] > b[1]:
-        return "slower than"
-    return same
 
 
 def above_floor(df: pd.DataFrame, pairs: dict[str, tuple[str, str]]) -> pd.DataFrame:

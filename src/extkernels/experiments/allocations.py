@@ -28,7 +28,6 @@ from .. import variants
 from ..memory import use_rmm_pool
 from ..problem import problem
 from ..profiling import profile, runtime_calls
-from ..timing import verdict
 from ..training import make_train_step
 
 __all__ = [
@@ -96,7 +95,7 @@ def calls_in_fresh_process(
 
 def timing_numbers(
     table: pd.DataFrame, none: str, rapids: str, shared: str
-) -> dict[str, float | str]:
+) -> dict[str, float]:
     """The numbers chapter 4's prose quotes from its timing table, by glue key.
 
     Args:
@@ -106,9 +105,7 @@ def timing_numbers(
 
     Returns:
         the shared pool's forward milliseconds, the gains of both pools over none
-        (ratios of medians), the milliseconds a training step saves, and how the
-        shared pool compares with the RAPIDS-only pool and with none, by the ranges of
-        the runs (:func:`~extkernels.timing.verdict`).
+        (ratios of medians) and the milliseconds a training step saves.
     """
     n, r, s = table.loc[none], table.loc[rapids], table.loc[shared]
     return {
@@ -117,10 +114,6 @@ def timing_numbers(
         "rmm_train_gain": float(n["train_ms"] / s["train_ms"]),
         "rapids_fwd_gain": float(n["forward_ms"] / r["forward_ms"]),
         "saved_step_ms": float(n["train_ms"] - s["train_ms"]),
-        "sharing_fwd": verdict(table, shared, rapids, "forward"),
-        "sharing_train": verdict(table, shared, rapids, "train"),
-        "pool_fwd": verdict(table, shared, none, "forward"),
-        "pool_train": verdict(table, shared, none, "train"),
     }
 
 

@@ -20,11 +20,10 @@ from ..ops import knn_aggregate, radius_aggregate
 from ..ops.checks import value_checks
 from ..plotting import scaling_plot
 from ..results import variant_quotes
-from ..timing import peak_memory_mb, ranked, time_blocks, time_fn
+from ..timing import peak_memory_mb, time_blocks, time_fn
 
 __all__ = [
     "AXES",
-    "compare_at",
     "crossover",
     "memory_panels",
     "memory_table",
@@ -180,18 +179,6 @@ def value_at(
     return float(row[column].iloc[0])
 
 
-def compare_at(
-    sweeps: dict, workload: str, against: str, size: int, a: str, b: str
-) -> str:
-    """``a`` against ``b`` at ``size``, in words (:func:`~extkernels.timing.ranked`
-    of the two spreads): "faster than", "slower than" or "within the spread of"."""
-    spread = [
-        tuple(value_at(sweeps, workload, against, size, n, c) for c in ("min", "max"))
-        for n in (a, b)
-    ]
-    return ranked(*spread, same="within the spread of")
-
-
 def pays_from(sweeps: dict, baseline: str = "torch") -> pd.DataFrame:
     """Where each backend starts to beat ``baseline`` in every sweep
     (:func:`crossover`): the size, "always" from the smallest, "never", or empty
@@ -217,8 +204,8 @@ def pays_from(sweeps: dict, baseline: str = "torch") -> pd.DataFrame:
 def size_quotes(sweeps: dict) -> dict[str, float | str]:
     """The numbers chapter 12 quotes at the largest sizes swept: the largest N and M
     (as text with thousands separators), the fused and C++ searches' milliseconds
-    there, C++ against fused in words (:func:`compare_at`), Warp's radius time and
-    cuML's time over the fused search's, where those backends were swept."""
+    there, Warp's radius time and cuML's time over the fused search's, where those
+    backends were swept."""
     n_big = int(sweeps[("kNN", "N")]["n_ref"].max())
     m_big = int(sweeps[("kNN", "M")]["n_query"].max())
     out = {"n_big": f"{n_big:,}", "m_big": f"{m_big:,}"}
@@ -226,7 +213,6 @@ def size_quotes(sweeps: dict) -> dict[str, float | str]:
     out["fused_radius_n_big"] = value_at(sweeps, "radius", "N", n_big, "fused")
     out["cpp_knn_m_big"] = value_at(sweeps, "kNN", "M", m_big, "cpp")
     out["fused_knn_m_big"] = value_at(sweeps, "kNN", "M", m_big, "fused")
-    out["cpp_vs_fused_m_big"] = compare_at(sweeps, "kNN", "M", m_big, "cpp", "fused")
     if "warp" in set(sweeps[("radius", "N")]["backend"]):
         out["warp_radius_n_big"] = value_at(sweeps, "radius", "N", n_big, "warp")
     if "cuml" in set(sweeps[("kNN", "N")]["backend"]):
