@@ -202,3 +202,30 @@ def test_compare_searches_times_both_exact_searches():
     assert list(table.index) == list(cuml_backend.ALGORITHMS)
     assert (table["ms per search"] > 0).all()
     assert table.loc["rbc", "queries with a wrong neighbour"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
+def test_operator_parts_time_each_part_of_the_operator_in_turn():
+    p_ref = extkernels.reference_cloud(5_000, device="cuda")
+    p_query = extkernels.query_grid(8, device="cuda")
+    table = cuml_search.operator_parts(p_query, p_ref, 5, n_iters=2, repeats=3)
+    assert list(table.index) == list(cuml_search.PARTS)
+    assert (table["min"] <= table["ms per call"]).all()
+    assert (table["ms per call"] <= table["max"]).all()
+    assert table["added ms"].iloc[1:].notna().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUML, reason="needs a CUDA GPU with cuML")
+def test_every_part_of_the_operator_finds_the_same_neighbours():
+    p_ref = extkernels.reference_cloud(5_000, device="cuda")
+    p_query = extkernels.query_grid(8, device="cuda")
+    _, exact = extkernels.knn(p_query, p_ref, 5)
+    for name, options in cuml_search.PARTS.items():
+        if options is None:
+            continue
+        d, i = cuml_search._search_with(p_query, p_ref, 5, **options)
+        assert cuml_search.wrong_pct(i, exact) == 0.0, name
+        want = (p_query[:, None] - p_ref[i]).norm(dim=-1)
+        torch.testing.assert_close(d, want, atol=1e-3, rtol=1e-3, msg=name)

@@ -1,6 +1,7 @@
 """Chapter 3's measurements of cuML's search: how many queries get a wrong set of
-neighbours, how long each of cuML's exact searches takes, and the numbers the chapter's
-prose quotes from its timing table.
+neighbours, how long each of cuML's exact searches takes, what each part of the book's
+operator adds to cuML's call, and the numbers the chapter's prose quotes from its timing
+table.
 """
 
 from __future__ import annotations
@@ -10,9 +11,17 @@ import torch
 
 from .. import ops
 from ..ops.cuml import ALGORITHMS
+from ..ops.cuml.ops import centred, exact_distances, search
 from ..timing import time_fn
 
-__all__ = ["compare_searches", "timing_numbers", "wrong_pct", "wrong_sets"]
+__all__ = [
+    "PARTS",
+    "compare_searches",
+    "operator_parts",
+    "timing_numbers",
+    "wrong_pct",
+    "wrong_sets",
+]
 
 
 def wrong_sets(indices: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -69,6 +78,97 @@ def compare_searches(
             "queries with a wrong neighbour": int(wrong.sum()),
         }
     return pd.DataFrame(rows).T
+
+
+#: The parts of the book's cuML operator, added one at a time to cuML's call as a
+#: reader first writes it (``algorithm="auto"``, raw coordinates, cuML's own distances):
+#: name -> the options of :func:`_search_with` (``None``: the package's ``cuml::knn``,
+#: which adds its argument checks, finite coordinates included).
+PARTS = {
+    "cuML's call: auto, raw clouds, cuML's distances": {},
+    "+ algorithm rbc named": {"algorithm": "rbc"},
+    "+ clouds centred": {"algorithm": "rbc", "centre": True},
+    "+ wait, copy, wait": {"algorithm": "rbc", "centre": True, "wait": True},
+    "+ exact distances (tutorial::knn)": {
+        "algorithm": "rbc",
+        "centre": True,
+        "wait": True,
+        "exact": True,
+    },
+    "+ argument checks (cuml::knn)": None,
+}
+
+
+def _search_with(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    algorithm: str = "auto",
+    centre: bool = False,
+    wait: bool = False,
+    exact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuML's search with some of the operator's parts: ``centre`` the clouds, ``wait``
+    for PyTorch's stream before cuML reads and copy the indices out and wait again, and
+    recompute ``exact`` distances (sorted) instead of returning cuML's."""
+    q, r = centred(p_query, p_ref) if centre else (p_query, p_ref)
+    stream = torch.cuda.current_stream(p_query.device)
+    if wait:
+        stream.synchronize()
+    distances, found = search(q, r, k, algorithm)
+    if wait:
+        indices = torch.empty(
+            (p_query.shape[0], k), dtype=torch.int64, device=p_query.device
+        )
+        indices.copy_(torch.from_dlpack(found))
+        stream.synchronize()
+    else:
+        indices = torch.from_dlpack(found).long()
+    if exact:
+        return exact_distances(p_query, p_ref, indices)
+    return torch.from_dlpack(distances), indices
+
+
+def operator_parts(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    n_iters: int = 10,
+    repeats: int = 7,
+) -> pd.DataFrame:
+    """What each part of the book's cuML operator costs (chapter 3): the :data:`PARTS`,
+    each added to the ones above it, timed in turn in one process (``repeats`` rounds,
+    each a block of ``n_iters`` calls of every part, timed by
+    :func:`~extkernels.timing.time_fn`).
+
+    Args:
+        p_query: ``(M, 3)`` float32 CUDA; p_ref: ``(N, 3)`` float32 CUDA.
+
+    Returns:
+        DataFrame indexed by part, with the median block's ``ms per call``, the fastest
+        and slowest blocks (``min``, ``max``) and the median's difference from the row
+        above (``added ms``).
+    """
+    calls = {}
+    for name, options in PARTS.items():
+        if options is None:
+            calls[name] = lambda: torch.ops.cuml.knn(p_query, p_ref, k)
+        else:
+            calls[name] = lambda o=options: _search_with(p_query, p_ref, k, **o)
+    for call in calls.values():
+        call()  # warm-up: cuML's first fit, the operator's first dispatch
+    times = {name: [] for name in calls}
+    for _ in range(repeats):  # in turn, so that a drift of the machine hits every part
+        for name, call in calls.items():
+            times[name].append(time_fn(call, n_iters))
+    table = pd.DataFrame(
+        {
+            name: {"ms per call": pd.Series(t).median(), "min": min(t), "max": max(t)}
+            for name, t in times.items()
+        }
+    ).T
+    table["added ms"] = table["ms per call"].diff()
+    return table
 
 
 def timing_numbers(table: pd.DataFrame) -> dict[str, float]:
