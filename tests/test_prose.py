@@ -296,11 +296,6 @@ def test_the_verdict_rule_sees_one(tmp_path):
     ]
 
 
-#: Pages whose stored glue still holds words the code wrote: their code changes with
-#: their next run on the GPU, when this set loses them.
-VERDICTS_UNTIL_EXECUTED = {"04_rmm_pool", "12_scaling"}
-
-
 def generated_judgements(path: Path) -> list[str]:
     """Every value a page glues (quoted or not) that is a judgement or a sentence."""
     return sorted(f"{k} = {v}" for k, v in glued_values(path).items() if written(v))
@@ -309,10 +304,7 @@ def generated_judgements(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", [p for p in PAGES if p.suffix == ".ipynb"], ids=str)
 def test_no_page_glues_a_judgement(path):
     found = generated_judgements(path)
-    if path.stem in VERDICTS_UNTIL_EXECUTED:
-        assert found, f"{path.name} glues no judgement now: drop it from the set"
-    else:
-        assert not found, f"{path.name}: the code glues judgements: {found}"
+    assert not found, f"{path.name}: the code glues judgements: {found}"
 
 
 def glue_counts(path: Path) -> dict[str, int]:
