@@ -184,13 +184,13 @@ def test_the_kernels_limits_come_from_the_library(ops):
     from extkernels.ops.cpp import ops as cpp_ops
 
     fused.prepare()
-    assert [cpp_ops.MAX_K, cpp_ops.MAX_POINTS] == list(
+    assert [cpp_ops.max_k(), cpp_ops.max_points()] == list(
         torch.ops.extkernels_cpp.limits()
     )
-    assert cpp_ops.MAX_POINTS == 2**28 - 1
+    assert cpp_ops.max_points() == 2**28 - 1
     # 3 GiB of address space that nothing touches: the sizes are refused before the
     # values are read, so no page of it is ever backed by memory
-    q, r = torch.zeros(10, 3), torch.empty(cpp_ops.MAX_POINTS + 1, 3)
+    q, r = torch.zeros(10, 3), torch.empty(cpp_ops.max_points() + 1, 3)
     for op in (ops[0].knn, torch.ops.extkernels_fused.knn):
         with pytest.raises(ValueError, match="^p_ref: expected at most 268435455"):
             op(q, r, 3)

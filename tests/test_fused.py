@@ -517,8 +517,10 @@ def test_the_fakes_grid_has_the_librarys_layout():
             *(mode.from_tensor(t) for t in (q, r, f)), 0.5, 0.1
         )
     assert [t.shape for t in fake] == [t.shape for t in real]
-    assert real[4].numel() == ops.GRID_PARAMS_BYTES
-    assert real[3].numel() == ops.cell_capacity(50) + 1 == ops.CELLS_PER_POINT * 50 + 1
+    assert real[4].numel() == ops.grid_params_bytes()
+    assert (
+        real[3].numel() == ops.cell_capacity(50) + 1 == ops.cells_per_point() * 50 + 1
+    )
 
 
 # ---------------------------------------------------------- the search into buffers

@@ -29,7 +29,9 @@ EXPERIMENTS = (
 LAZY: dict[tuple[str, str], str] = {}
 #: Optional libraries that importing the package must not import, and modules of the
 #: backends that build or load compiled code on import (their backends defer them to
-#: first use): what the lazy imports above are for.
+#: first use): what the lazy imports above are for. The C++ backends' modules build
+#: and load nothing on import (their ``load()`` does, on first use: see
+#: :func:`test_importing_builds_and_loads_no_library`).
 DEFERRED = (
     "warp",
     "cuml",
@@ -37,8 +39,6 @@ DEFERRED = (
     "rmm",
     "cuvs",
     "extkernels.ops.warp.kernels",
-    "extkernels.ops.cpp.ops",
-    "extkernels.ops.fused.ops",
 )
 
 
@@ -196,6 +196,65 @@ def test_importing_the_package_defers_what_its_backends_defer():
     assert child.stdout.strip() == "[]", (
         f"imported by `import extkernels`: {child.stdout}"
     )
+
+
+#: Run with an empty extension cache and the prebuilt wheel unused: import the package
+#: and every module of each backend that runs here, ask which backends run, check a
+#: call's metadata; then report what was built and loaded.
+NOTHING_LOADED = """
+import importlib, json, os, pkgutil
+import torch
+import extkernels as ek
+from extkernels.ops import fused, registry
+from extkernels.ops.cpp import build as cpp_build
+from extkernels.ops.fused import build as fused_build
+
+for b in registry.registered():
+    if b.available():
+        package = importlib.import_module(f"extkernels.ops.{b.name}")
+        for found in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{found.name}")
+report = {"knn": ek.backends("knn"), "radius": ek.backends("radius_aggregate")}
+q, r = ek.query_grid(3), ek.reference_cloud(50, seed=0)
+try:
+    fused.knn_out(q, r, 3, torch.empty(27, 4), torch.empty(27, 3, dtype=torch.int64))
+except ValueError as e:
+    report["refused"] = str(e)
+report["built"] = os.listdir(os.environ["TORCH_EXTENSIONS_DIR"])
+report["loaded"] = [
+    os.path.basename(p) for p in torch.ops.loaded_libraries if "extkernels" in p
+]
+report["flags"] = [cpp_build.is_loaded(), fused_build.is_loaded()]
+report["operators"] = [
+    hasattr(torch.ops.extkernels_cpp, "knn"), hasattr(torch.ops.extkernels_fused, "knn")
+]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_importing_builds_and_loads_no_library(tmp_path):
+    import json
+    import os
+
+    cache = tmp_path / "extensions"
+    cache.mkdir()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache), EXTKERNELS_PREBUILT="0")
+    child = subprocess.run(
+        [sys.executable, "-c", NOTHING_LOADED],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    report = json.loads(child.stdout.splitlines()[-1])
+    assert report["built"] == [] and report["loaded"] == [], report
+    assert report["flags"] == [False, False], "a build module says it loaded"
+    assert report["operators"] == [False, False], "an operator exists: a library loaded"
+    # the buffers' metadata is refused before anything is built
+    assert report["refused"].startswith("distances: expected"), report
+    assert "torch" in report["knn"] and "torch" in report["radius"], report
 
 
 @pytest.mark.parametrize("module", list(MODULES))

@@ -72,8 +72,8 @@ def test_fused_limits_fit_32_bit_rows():
     fused.prepare()
     from extkernels.ops.fused import ops
 
-    assert ops.MAX_QUERIES == torch.iinfo(torch.int32).max
-    assert ops.MAX_RADIUS_QUERIES == 2**30
+    assert ops.max_queries() == torch.iinfo(torch.int32).max
+    assert ops.max_radius_queries() == 2**30
 
 
 # ---------------------------------------------------------------- the cases
@@ -93,7 +93,7 @@ def _cpp_limits():
     from extkernels.ops.cpp import ops as cpp_ops
     from extkernels.ops.fused import ops as fused_ops
 
-    return cpp_ops.MAX_POINTS, fused_ops.MAX_QUERIES, fused_ops.MAX_RADIUS_QUERIES
+    return cpp_ops.max_points(), fused_ops.max_queries(), fused_ops.max_radius_queries()
 
 
 def _ptx():

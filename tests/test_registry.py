@@ -326,3 +326,17 @@ def test_a_scratch_registry_keeps_its_backends_to_itself():
     assert [b.name for b in registry.registered()] == before
     with pytest.raises(ValueError, match="^name: expected one of"):
         registry.get("mine")
+
+
+def test_registrations_wait_for_their_library_and_are_made_once():
+    from extkernels.ops.onload import OnLoad
+
+    made = []
+    on_load = OnLoad()
+    on_load(lambda: made.append("declared before the load"))
+    assert made == [] and not on_load.loaded
+    on_load.run()
+    on_load.run()  # a second load() makes nothing again
+    assert made == ["declared before the load"] and on_load.loaded
+    on_load(lambda: made.append("declared after"))  # made at once
+    assert made == ["declared before the load", "declared after"]

@@ -1,10 +1,12 @@
 """The ``cpp`` backend (chapter 9): an exact kNN search on a uniform grid, and the
 aggregation, in C++ (CPU) and CUDA C++ (GPU), registered with ``TORCH_LIBRARY``.
 
-The sources live in ``csrc/`` and are built just in time on first use
-(:mod:`~.build`); :mod:`~.ops` then registers the fake implementations and the
-autograd formula from Python. The backend is available wherever a C++ compiler and
-ninja are installed (and, for CUDA tensors, ``nvcc``).
+The sources live in ``csrc/`` and are built just in time on first use, never on
+import: :func:`load`, which the first call of an operation makes, builds or finds the
+library and loads it (:mod:`~.build`), and the fake implementations and the autograd
+formula of :mod:`~.ops` are registered right after. The backend is available wherever
+a C++ compiler and ninja are installed (and, for CUDA tensors, ``nvcc``); deciding so
+builds nothing.
 """
 
 import functools
@@ -14,8 +16,13 @@ import torch
 
 from ..checks import value_checks_on, values_checked
 from ..registry import Backend, Book, register
+from . import build
+from .ops import load
 
-__all__ = ["BACKEND", "available", "call", "prepare"]
+__all__ = ["BACKEND", "available", "call", "load", "prepare"]
+
+#: :func:`load`, by the name of the registry's hook (``Backend.prepare``).
+prepare = load
 
 
 @functools.cache
@@ -25,16 +32,6 @@ def available() -> bool:
 
     compiler = shutil.which("c++") or shutil.which("g++")
     return bool(compiler) and is_ninja_available()
-
-
-@torch.compiler.assume_constant_result
-def prepare() -> bool:
-    """Build (or find in the cache) and load the operators, once per process. Run
-    eagerly even while ``torch.compile`` traces a caller: the compiler sees only its
-    result."""
-    from . import ops  # noqa: F401  (builds, loads and registers)
-
-    return True
 
 
 def call(op, *args, switch=None):
@@ -52,7 +49,7 @@ def call(op, *args, switch=None):
 
 
 def _call(name, *args):
-    prepare()
+    load()
     return call(getattr(torch.ops.extkernels_cpp, name), *args)
 
 
@@ -65,8 +62,6 @@ def _knn_aggregate(p_query, p_ref, feats, k, sigma):
 
 
 def _library():
-    from . import build
-
     return build.library_file()
 
 
@@ -81,7 +76,7 @@ BACKEND = register(
             "knn_aggregate": "extkernels_cpp::knn_aggregate_fwd",
         },
         position_grads=("knn", "knn_aggregate"),
-        prepare=prepare,
+        prepare=load,
         library=_library,
         libraries=("cpp",),
         book=Book(

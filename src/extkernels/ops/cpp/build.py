@@ -18,11 +18,14 @@ import pandas as pd
 import torch
 
 from .. import prebuilt
+from ..onload import OnLoad
 
 __all__ = [
     "CSRC",
     "sources",
     "load",
+    "is_loaded",
+    "on_load",
     "build_seconds",
     "prebuilt_path",
     "library_file",
@@ -39,6 +42,9 @@ CSRC = Path(__file__).parent / "csrc"
 build_seconds: float | None = None
 #: The prebuilt library :func:`load` loaded, or ``None`` where it built just in time.
 prebuilt_path: Path | None = None
+#: The registrations on the operators that wait for :func:`load` (:mod:`~.ops` declares
+#: them).
+on_load = OnLoad()
 
 
 def sources(cuda: bool) -> list[Path]:
@@ -88,13 +94,19 @@ def arch_environment() -> Iterator[str | None]:
 @functools.cache
 def load(verbose: bool = False) -> None:
     """Load the prebuilt library, or compile (or find in the cache) and load the
-    extension, once per process."""
+    extension, then make the registrations of :data:`on_load`; once per process."""
     global build_seconds, prebuilt_path
     start = time.perf_counter()
     prebuilt_path = prebuilt.load("cpp", [CSRC], [])
     if prebuilt_path is None:
         _build(verbose)
     build_seconds = time.perf_counter() - start
+    on_load.run()
+
+
+def is_loaded() -> bool:
+    """Whether :func:`load` has loaded the library in this process."""
+    return on_load.loaded
 
 
 def library_file() -> Path:

@@ -15,14 +15,17 @@ in CUDA C++, for both workloads.
 On the CPU the kNN operators walk the same tree (or run chapter 9's kernels for the
 grid: the lanes are a GPU matter) and the radius operators the same walk in C++. The
 sources live in ``csrc/`` beside the C++ backend's headers, which they include; the
-library is built just in time like chapter 9's (:mod:`~.build`).
+library is built just in time like chapter 9's (:mod:`~.build`), by :func:`load` on
+first use, never on import.
 """
 
 import torch
 
 from .. import checks, cpp, positions
 from ..registry import OPERATIONS, Backend, Book, register
+from . import build, ops
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
+from .ops import load
 
 __all__ = [
     "BACKEND",
@@ -33,18 +36,14 @@ __all__ = [
     "available",
     "knn_out",
     "knn_work",
+    "load",
     "prepare",
     "radius_aggregate_with_totals",
 ]
 
 
-@torch.compiler.assume_constant_result
-def prepare() -> bool:
-    """Build (or find in the cache) and load the operators, once per process. Run
-    eagerly even while ``torch.compile`` traces a caller."""
-    from . import ops  # noqa: F401  (builds, loads and registers)
-
-    return True
+#: :func:`load`, by the name of the registry's hook (``Backend.prepare``).
+prepare = load
 
 
 def available() -> bool:
@@ -53,7 +52,7 @@ def available() -> bool:
 
 
 def _call(name, *args):
-    prepare()
+    load()
     return cpp.call(
         getattr(torch.ops.extkernels_fused, name),
         *args,
@@ -64,10 +63,7 @@ def _call(name, *args):
 def _check_queries(op: str, p_query) -> None:
     """The kernels' limit on the queries (:func:`~.ops.check_queries`), checked here
     as in the fakes, before the call (the CUDA operators check it again)."""
-    prepare()
-    from .ops import check_queries
-
-    check_queries(op, p_query)
+    ops.check_queries(op, p_query)
 
 
 def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES, index: str = DEFAULT_INDEX):
@@ -103,10 +99,7 @@ def knn_out(
     float32 and ``indices`` ``(M, k)`` int64 on the clouds' device (the operator
     ``extkernels_fused::knn_out``, which allocates nothing on the GPU)."""
     k = checks.check_knn(p_query, p_ref, k)
-    prepare()
-    from .ops import check_out
-
-    check_out(p_query, k, distances, indices)
+    ops.check_out(p_query, k, distances, indices)  # metadata only: loads nothing
     _check_queries("knn", p_query)
     _call("knn_out", p_query, p_ref, k, distances, indices, lanes, index)
 
@@ -147,8 +140,6 @@ def radius_aggregate_with_totals(
 
 
 def _library():
-    from . import build
-
     return build.library_file()
 
 
@@ -245,7 +236,7 @@ BACKEND = register(
             "knn_aggregate": "extkernels_fused::knn_aggregate_fwd",
             "radius_aggregate": "extkernels_fused::radius_aggregate_fwd",
         },
-        prepare=prepare,
+        prepare=load,
         position_grads=OPERATIONS,
         library=_library,
         libraries=(*cpp.BACKEND.libraries, "fused"),  # its CPU kernels call chapter 9's

@@ -3,13 +3,16 @@ C++ backend: ``torch.utils.cpp_extension.load`` compiles ``csrc/`` into PyTorch'
 extension cache, for this GPU only. Chapter 9's library is loaded first: the fused CPU
 kernels reach its kernels through the dispatcher. Where the ``extkernels-native``
 wheel holds a library built from these sources and constants for this PyTorch, it is
-loaded instead (:mod:`~extkernels.ops.prebuilt`)."""
+loaded instead (:mod:`~extkernels.ops.prebuilt`). :data:`on_load` then registers the
+operators' Python half (:mod:`~.ops`). Importing this module builds and loads
+nothing."""
 
 import functools
 from pathlib import Path
 
 from .. import prebuilt
 from ..cpp import build as cpp_build
+from ..onload import OnLoad
 
 __all__ = [
     "CSRC",
@@ -21,12 +24,17 @@ __all__ = [
     "library_file",
     "sources",
     "load",
+    "is_loaded",
+    "on_load",
 ]
 
 CSRC = Path(__file__).parent / "csrc"
 
 #: The prebuilt library :func:`load` loaded, or ``None`` where it built just in time.
 prebuilt_path: Path | None = None
+#: The registrations on the operators that wait for :func:`load` (:mod:`~.ops` declares
+#: them).
+on_load = OnLoad()
 
 #: Threads per query the kNN kernels are built for (``lanes``).
 LANES = (1, 4, 8, 16, 32)
@@ -70,15 +78,25 @@ def sources(cuda: bool) -> list[Path]:
 
 @functools.cache
 def load(verbose: bool = False) -> None:
-    """Load the prebuilt library, or compile (or find in the cache) and load it, once
-    per process."""
+    """Load chapter 9's library, then the prebuilt fused one, or compile (or find in
+    the cache) and load it; then make the registrations of :data:`on_load`; once per
+    process."""
     global prebuilt_path
-    from torch.utils import cpp_extension
-
     cpp_build.load()
     prebuilt_path = prebuilt.load("fused", [CSRC, cpp_build.CSRC], defines())
-    if prebuilt_path is not None:
-        return
+    if prebuilt_path is None:
+        _build(verbose)
+    on_load.run()
+
+
+def is_loaded() -> bool:
+    """Whether :func:`load` has loaded the library in this process."""
+    return on_load.loaded
+
+
+def _build(verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
     with cpp_build.arch_environment() as arch:
         cuda = arch is not None
         cpp_extension.load(

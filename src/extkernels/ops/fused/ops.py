@@ -1,6 +1,7 @@
-"""The fused operators' Python half (chapter 11): the library is built and loaded, then
-the fakes and the autograd formulas are registered on operators whose schemas and
-kernels live in C++ (``csrc/``).
+"""The fused operators' Python half (chapter 11): the fakes and the autograd formulas
+of operators whose schemas and kernels live in C++ (``csrc/``), registered right after
+the library loads (:data:`~.build.on_load`); importing this module builds and loads
+nothing.
 
 The kNN aggregation's backward is chapter 9's scatter
 (``extkernels_cpp::knn_aggregate_bwd``). The radius aggregation's forward returns,
@@ -9,6 +10,8 @@ cell starts and the grid's parameters as bytes); they are saved for the backward
 walks the same grid without building it again, for the features' gradient and, when
 the clouds require grad, for theirs (``extkernels_fused::radius_positions_bwd``).
 """
+
+import functools
 
 import torch
 
@@ -25,48 +28,81 @@ from . import build
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
 
 __all__ = [
-    "GRID_PARAMS_BYTES",
-    "CELLS_PER_POINT",
-    "MAX_QUERIES",
-    "MAX_RADIUS_QUERIES",
+    "load",
+    "grid_params_bytes",
+    "cells_per_point",
+    "max_queries",
+    "max_radius_queries",
     "cell_capacity",
     "check_out",
     "check_queries",
 ]
 
-build.load()
-
 _ops = torch.ops.extkernels_fused
-checks.on_value_checks(_ops.set_value_checks)
+on_load = build.on_load
+on_load(lambda: checks.on_value_checks(_ops.set_value_checks))
 
-#: Bytes of the grid's parameters (``GridParams`` in the C++ backend's ``grid.h``) and
-#: the grid's cells per reference point, read from the library.
-GRID_PARAMS_BYTES, CELLS_PER_POINT = (int(v) for v in _ops.grid_layout())
+
+@torch.compiler.assume_constant_result
+def load() -> bool:
+    """Build (or find in the cache) and load the library, chapter 9's first, and
+    register both operators' Python halves, once per process: the backend calls it on
+    first use. Run eagerly even while ``torch.compile`` traces a caller."""
+    build.load()
+    return True
+
+
+@functools.cache
+def _read() -> tuple[int, ...]:
+    load()
+    return (*(int(v) for v in _ops.grid_layout()), *(int(v) for v in _ops.limits()))
+
+
+@torch.compiler.assume_constant_result
+def grid_params_bytes() -> int:
+    """Bytes of the grid's parameters (``GridParams`` in the C++ backend's
+    ``grid.h``), read from the library (loaded if it is not yet)."""
+    return _read()[0]
+
+
+@torch.compiler.assume_constant_result
+def cells_per_point() -> int:
+    """The grid's cells per reference point, read from the library."""
+    return _read()[1]
+
+
+@torch.compiler.assume_constant_result
+def max_queries() -> int:
+    """The most queries of the kNN operators (the tree search lists query rows as
+    32-bit integers), read from the library (``kMaxQueries`` in ``fused.h``). The
+    reference cloud's is chapter 9's :func:`~extkernels.ops.cpp.ops.max_points`."""
+    return _read()[2]
+
+
+@torch.compiler.assume_constant_result
+def max_radius_queries() -> int:
+    """The most queries of the radius aggregation (its lists of query rows are stepped
+    through by ``int``), read from the library (``kMaxRadiusQueries``)."""
+    return _read()[3]
 
 
 def cell_capacity(n: int) -> int:
     """Cells of the grid's workspace for a cloud of ``n`` points (``grid.h``'s
     ``cell_capacity``)."""
-    return max(CELLS_PER_POINT * n, 1)
-
-
-#: The most queries of the kNN operators (the tree search lists query rows as 32-bit
-#: integers) and of the radius aggregation (its lists too, stepped through by ``int``),
-#: read from the library (``kMaxQueries``, ``kMaxRadiusQueries`` in ``fused.h``). The
-#: reference cloud's is chapter 9's ``MAX_POINTS``.
-MAX_QUERIES, MAX_RADIUS_QUERIES = (int(v) for v in _ops.limits())
+    return max(cells_per_point() * n, 1)
 
 
 def check_queries(op: str, p_query) -> None:
-    """At most :data:`MAX_QUERIES` queries (``op`` ``"knn"`` or ``"knn_aggregate"``) or
-    :data:`MAX_RADIUS_QUERIES` (``"radius_aggregate"``): run by the fakes and the
-    backend's entry points (the CUDA operators check it too)."""
+    """At most :func:`max_queries` queries (``op`` ``"knn"`` or ``"knn_aggregate"``)
+    or :func:`max_radius_queries` (``"radius_aggregate"``): run by the fakes and the
+    backend's entry points (the CUDA operators check it too). The limit is the
+    library's: a first call loads it."""
     if op == "radius_aggregate":
-        limit = MAX_RADIUS_QUERIES
+        limit = max_radius_queries()
         why = "the fused radius kernels list query rows, and step through the lists, "
         why += "with 32-bit integers"
     else:
-        limit = MAX_QUERIES
+        limit = max_queries()
         why = "the fused tree search lists query rows as 32-bit integers"
     check_index_limit("p_query", "queries", p_query.shape[0], limit, why)
 
@@ -84,7 +120,7 @@ def _check_lanes(lanes: int) -> int:
     return lanes
 
 
-@torch.library.register_fake("extkernels_fused::knn")
+@on_load.register_fake("extkernels_fused::knn")
 def knn_fake(p_query, p_ref, k, lanes=DEFAULT_LANES, index=DEFAULT_INDEX):
     out = cpp_ops.knn_fake(p_query, p_ref, k)  # chapter 9's checks and outputs
     check_queries("knn", p_query)
@@ -101,7 +137,7 @@ def check_out(p_query, k: int, distances, indices) -> None:
     check_buffer("indices", indices, (m, k), "M, k", torch.int64, p_query)
 
 
-@torch.library.register_fake("extkernels_fused::knn_out")
+@on_load.register_fake("extkernels_fused::knn_out")
 def _knn_out_fake(
     p_query, p_ref, k, distances, indices, lanes=DEFAULT_LANES, index=DEFAULT_INDEX
 ):
@@ -109,7 +145,7 @@ def _knn_out_fake(
     check_out(p_query, k, distances, indices)
 
 
-@torch.library.register_fake("extkernels_fused::knn_aggregate_fwd")
+@on_load.register_fake("extkernels_fused::knn_aggregate_fwd")
 def _knn_aggregate_fwd_fake(
     p_query, p_ref, feats, k, sigma, lanes=DEFAULT_LANES, index=DEFAULT_INDEX
 ):
@@ -120,7 +156,7 @@ def _knn_aggregate_fwd_fake(
     return out
 
 
-@torch.library.register_fake("extkernels_fused::knn_work")
+@on_load.register_fake("extkernels_fused::knn_work")
 def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
     check_knn(p_query, p_ref, k, values=False)
     cpp_ops.check_max_points(p_ref)
@@ -129,11 +165,11 @@ def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
 
 
 # The forward returns chapter 9's (out, weights, indices): its backward is chapter 9's.
-cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_fwd")
-positions.register_knn_autograd("extkernels_fused::knn")
+on_load(lambda: cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_fwd"))
+on_load(lambda: positions.register_knn_autograd("extkernels_fused::knn"))
 
 
-@torch.library.register_fake("extkernels_fused::radius_aggregate_fwd")
+@on_load.register_fake("extkernels_fused::radius_aggregate_fwd")
 def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma, warp=True):
     check_radius_aggregate(
         p_query,
@@ -152,11 +188,11 @@ def _radius_aggregate_fwd_fake(p_query, p_ref, feats, radius, sigma, warp=True):
         p_query.new_empty((m,)),
         p_ref.new_empty((n, 4)),
         p_ref.new_empty((cell_capacity(n) + 1,), dtype=torch.int32),
-        p_ref.new_empty((GRID_PARAMS_BYTES,), dtype=torch.uint8),
+        p_ref.new_empty((grid_params_bytes(),), dtype=torch.uint8),
     )
 
 
-@torch.library.register_fake("extkernels_fused::radius_aggregate_bwd")
+@on_load.register_fake("extkernels_fused::radius_aggregate_bwd")
 def _radius_aggregate_bwd_fake(
     grad_out,
     p_query,
@@ -171,7 +207,7 @@ def _radius_aggregate_bwd_fake(
     return grad_out.new_empty((grid_ref.shape[0], grad_out.shape[1]))
 
 
-@torch.library.register_fake("extkernels_fused::radius_positions_bwd")
+@on_load.register_fake("extkernels_fused::radius_positions_bwd")
 def _radius_positions_bwd_fake(grad_out, out, feats, p_query, totals, grid_ref, *_):
     """``(grad_query (M, 3), grad_ref (N, 3))`` float32."""
     m, n = p_query.shape[0], grid_ref.shape[0]
@@ -219,7 +255,7 @@ def _radius_backward(ctx, grad_out, *_grad_saved):
     return grad_query, grad_ref, grad_feats, None, None, None
 
 
-torch.library.register_autograd(
+on_load.register_autograd(
     "extkernels_fused::radius_aggregate_fwd",
     _radius_backward,
     setup_context=_radius_setup_context,
