@@ -26,8 +26,8 @@ import tempfile
 import pandas as pd
 
 from . import variants as V
-from .notebook import versions
 from .problem import problem
+from .provenance import versions
 from .timing import timings_frame
 
 __all__ = ["run_all", "merge", "write", "main"]

@@ -30,10 +30,10 @@ import pandas as pd
 import torch
 
 from .. import clouds, reference
-from ..notebook import versions
 from ..ops import fused, knn, radius_aggregate, registry
 from ..ops.checks import value_checks
 from ..problem import problem
+from ..provenance import versions
 from ..results import at_size
 from ..timing import time_blocks, time_fn
 
