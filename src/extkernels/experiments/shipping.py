@@ -12,9 +12,8 @@ largest difference from the expected output and the milliseconds per call;
 :func:`run_cpp` does the same from a C++ program (``csrc/aoti_run.cpp``, built just in
 time by :func:`cpp_runner` with ``AOTIModelPackageLoader``), with no Python at all.
 
-The benchmark's chapter-15 variants use :class:`Packaged` (a package loaded back on its
-first call, timed like any projector's forward pass) and :func:`just_in_time` (a
-process that builds the C++ libraries instead of loading the wheel's).
+:func:`package`, :class:`Packaged` and :func:`just_in_time`, which the benchmark's
+chapter-15 variants share, live in :mod:`extkernels.packaging` and are named here too.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,8 @@ import torch
 
 from ..data import query_grid, reference_cloud
 from ..models import KnnAggregation, Projector, RadiusAggregation
-from ..ops import backends, prebuilt, registry
+from ..ops import backends, registry
+from ..packaging import Packaged, just_in_time, package
 from ..problem import Problem
 from ..timing import time_blocks
 
@@ -199,13 +198,6 @@ def package_table(
     return pd.DataFrame(rows).set_index(["backend", "loaded"])
 
 
-def package(model: torch.nn.Module, inputs: tuple, path: Path) -> Path:
-    """``model`` (in eval mode) exported on ``inputs`` and compiled by AOTInductor into
-    the package ``path`` (``.pt2``)."""
-    ep = torch.export.export(model.eval(), inputs)
-    return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path)))
-
-
 _FRESH = textwrap.dedent(
     """
     import importlib, json, sys
@@ -324,33 +316,6 @@ def run_cpp(
         lines = (done.stderr.strip() or "no error output").splitlines()
         return {"error": lines[-1]}
     return {"error": None, **json.loads(done.stdout.splitlines()[-1])}
-
-
-class Packaged:
-    """A model exported and compiled by AOTInductor into a package (``.pt2``), loaded
-    back on its first call: what a process that ships it pays first (chapter 15)."""
-
-    def __init__(self, model: torch.nn.Module, p_query, p_ref):
-        with torch.no_grad():
-            model.eval()(p_query, p_ref)  # loads the backend's library before the trace
-        folder = Path(tempfile.mkdtemp(prefix="extkernels-"))
-        self.path = package(model, (p_query, p_ref), folder / "projector.pt2")
-        self.runner = None
-
-    def __call__(self, p_query, p_ref):
-        if self.runner is None:
-            self.runner = torch._inductor.aoti_load_package(str(self.path))
-        return self.runner(p_query, p_ref)
-
-
-def just_in_time(cold: bool) -> None:
-    """Leave the prebuilt wheel unused in this process and, for a ``cold`` run, empty
-    the extension cache it builds into (the warm runs load the cold run's build)."""
-    os.environ[prebuilt.ENV] = "0"
-    cache = Path(tempfile.gettempdir()) / "extkernels-jit"
-    if cold:
-        shutil.rmtree(cache, ignore_errors=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(cache)
 
 
 def graph_table(calls: dict[str, Callable[[], object]], n_iters: int) -> pd.DataFrame:
