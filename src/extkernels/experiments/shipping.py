@@ -22,15 +22,14 @@ import functools
 import json
 import os
 import subprocess
-import sys
 import tempfile
-import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from .. import fresh
 from ..data import query_grid, reference_cloud
 from ..models import KnnAggregation, Projector, RadiusAggregation
 from ..ops import backends, registry
@@ -198,35 +197,8 @@ def package_table(
     return pd.DataFrame(rows).set_index(["backend", "loaded"])
 
 
-_FRESH = textwrap.dedent(
-    """
-    import importlib, json, sys
-    import torch
-
-    args = json.loads(sys.argv[1])
-    for library in args["libraries"]:
-        torch.ops.load_library(library)
-    for module in args["imports"]:
-        importlib.import_module(module)
-    data = torch.load(args["data"])
-    try:
-        runner = torch._inductor.aoti_load_package(args["package"])
-        out = runner(*data["inputs"])
-    except Exception as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}))
-        sys.exit(0)
-    diff = (out - data["expected"]).abs().max().item()
-    ms = None
-    if args["seconds"] is not None:
-        from torch.utils import benchmark
-
-        timer = benchmark.Timer(
-            "runner(*inputs)", globals={"runner": runner, "inputs": data["inputs"]}
-        )
-        ms = timer.blocked_autorange(min_run_time=args["seconds"]).median * 1e3
-    print(json.dumps({"error": None, "max_abs_diff": diff, "ms": ms}))
-    """
-)
+#: The file a fresh process of :func:`run_fresh` loads: it imports PyTorch only.
+_CHILD = str(Path(__file__).with_name("package_run.py"))
 
 
 def run_fresh(
@@ -247,25 +219,23 @@ def run_fresh(
         the first call failed; otherwise ``max_abs_diff`` from ``expected`` and ``ms``
         per call (median of ``torch.utils.benchmark``'s blocks; ``None`` where
         ``seconds`` is).
+
+    Raises:
+        extkernels.fresh.FreshProcessError: the process failed before it reached the
+            package (a library that does not load, a module that does not import).
     """
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.pt"
         torch.save({"inputs": inputs, "expected": expected}, data)
-        args = {
-            "package": str(pt2),
-            "libraries": [str(p) for p in libraries],
-            "imports": list(imports),
-            "data": str(data),
-            "seconds": seconds,
-        }
-        done = subprocess.run(
-            [sys.executable, "-c", _FRESH, json.dumps(args)],
-            capture_output=True,
-            text=True,
+        return fresh.call(
+            _CHILD,
+            "run",
+            str(pt2),
+            str(data),
+            libraries=[str(p) for p in libraries],
+            imports=list(imports),
+            seconds=seconds,
         )
-    if done.returncode:
-        raise RuntimeError(f"run_fresh: the process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 def cpp_runner(verbose: bool = False) -> Path:
