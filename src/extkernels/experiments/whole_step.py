@@ -138,7 +138,7 @@ def projector(workload: str, prob: Problem):
 def captured_steps(model, p_query, p_ref, target, n_iters: int = 200, top: int = 8):
     """The training step of ``model`` captured in one CUDA graph twice (chapter 11):
     with the eager model inside, then with ``torch.compile(model, fullgraph=True)``
-    and inductor's settings for one graph (:data:`~extkernels.graphs.IN_ONE_GRAPH`;
+    and inductor's settings for one graph (:data:`~extkernels.variants.IN_ONE_GRAPH`;
     inductor's kernels then run in the graph). Each is timed by replays, medians of
     five blocks of ``n_iters``, value checks off; then the kernels of the compiled
     step's replay are listed (:func:`replay_kernels`). Both steps train ``model``.
