@@ -1,12 +1,9 @@
 """Chapter 4's allocation experiment: its fresh-process runs and the numbers its prose
 quotes (the measurements themselves need a CUDA GPU with RAPIDS)."""
 
-import json
-import sys
-from pathlib import Path
-
 import pandas as pd
 import pytest
+import torch
 
 from extkernels.experiments import allocations
 
@@ -67,21 +64,33 @@ def test_call_numbers_read_the_pool_without_and_with_sharing():
 def test_calls_in_fresh_process_runs_the_module_and_reads_its_table(monkeypatch):
     seen = {}
 
-    def run(cmd, check, capture_output):
-        seen.update(cmd=cmd, check=check)
-        out = Path(cmd[cmd.index("--json") + 1])
-        rows = [{"name": "cudaFree", "calls": 33.0, "host time (ms)": 7.3}]
-        out.write_text(json.dumps(rows))
+    def call(module, name, *args, **kwargs):
+        seen.update(module=module, name=name, args=args)
+        return [{"name": "cudaFree", "calls": 33.0, "host time (ms)": 7.3}]
 
-    monkeypatch.setattr(allocations.subprocess, "run", run)
+    monkeypatch.setattr(allocations.fresh, "call", call)
     calls = allocations.calls_in_fresh_process("rapids")
-    assert seen["cmd"][:3] == [sys.executable, "-m", allocations.__name__]
-    assert seen["cmd"][seen["cmd"].index("--pool") + 1] == "rapids"
-    assert seen["check"] is True
+    assert (seen["module"], seen["name"]) == (allocations.__name__, "allocation_rows")
+    assert seen["args"] == ("rapids", "cuml")
     assert calls.loc["cudaFree", "calls"] == 33.0
 
 
 def test_calls_in_fresh_process_refuses_an_unknown_pool(monkeypatch):
-    monkeypatch.setattr(allocations.subprocess, "run", pytest.fail)
+    monkeypatch.setattr(allocations.fresh, "call", pytest.fail)
     with pytest.raises(ValueError, match="^pool: expected one of"):
         allocations.calls_in_fresh_process("cupy")
+
+
+def test_the_projector_is_the_benchmarks_variant(monkeypatch):
+    from extkernels import problem, variants
+
+    monkeypatch.setenv("EXTKERNELS_SMALL", "1")
+    prob = problem()
+    model, data = allocations.projector("torch", prob)
+    want, _, want_data = variants.get("knn/torch").build(prob)
+    for got, expected in zip(data, want_data, strict=True):
+        assert torch.equal(got, expected)
+    for (name, got), expected in zip(
+        model.state_dict().items(), want.state_dict().values(), strict=True
+    ):
+        assert torch.equal(got, expected), name

@@ -1,5 +1,6 @@
-"""The package's shape: layers that import only downwards, no import circle, small
-modules, and docstrings that name chapters which exist."""
+"""The package's shape: layers that import only downwards, experiments that are
+leaves, no import circle, small modules, and docstrings that name chapters which
+exist."""
 
 import ast
 import re
@@ -14,15 +15,19 @@ SRC = ROOT / "src"
 PACKAGE = "extkernels"
 MAX_LINES = 400
 #: The experiment layers: what drives the chapters and the benchmark. Library layers
-#: (data, models, ops, training, timing, graphs, profiling, plotting, ...) never import
-#: them.
+#: (data, models, ops, training, timing, graphs, profiling, plotting, variants, ...)
+#: never import them.
 EXPERIMENTS = (
-    "extkernels.variants",
     "extkernels.benchmark",
     "extkernels.campaign",  # runs the benchmark, the other commands and the chapters
     "extkernels.experiments",
     "extkernels.distributed.report",  # chapter 13's tables, from chapter 12's crossover
 )
+#: The experiments proper: leaves of the import graph, each importing only the library
+#: layers (never the variants, the commands that drive them, or one another).
+LEAVES = ("extkernels.experiments", "extkernels.distributed.report")
+#: What no leaf imports beside the experiment layers: the benchmark's variants.
+VARIANTS = "extkernels.variants"
 #: Imports inside functions, each for a reason. Beside these, a backend may import its
 #: own modules inside functions (see :func:`_inside_one_backend`): it defers its heavy
 #: parts, an optional library or a build, to first use.
@@ -147,6 +152,30 @@ def test_the_import_graph_has_no_circle():
 def test_library_layers_do_not_import_experiments(module):
     up = [dep for dep, _ in GRAPH[module] if _is_experiment(dep)]
     assert not up, f"{module} imports the experiment layer: {up}"
+
+
+def _is_leaf(module: str) -> bool:
+    return any(module == e or module.startswith(e + ".") for e in LEAVES)
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _is_leaf(m)])
+def test_experiments_import_neither_the_variants_nor_one_another(module):
+    up = [
+        dep
+        for dep, _ in GRAPH[module]
+        if dep == VARIANTS or (_is_experiment(dep) and dep != "extkernels.experiments")
+    ]
+    assert not up, (
+        f"{module} imports {up}: an experiment is a leaf (move what it shares down "
+        "into the package)"
+    )
+
+
+def test_the_leaves_are_found():
+    leaves = [m for m in MODULES if _is_leaf(m)]
+    assert "extkernels.experiments.shipping" in leaves
+    assert "extkernels.distributed.report" in leaves
+    assert not _is_experiment(VARIANTS)
 
 
 @pytest.mark.parametrize("module", list(MODULES))

@@ -19,18 +19,18 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 import pandas as pd
 
+from . import fresh
 from . import variants as V
-from .notebook import versions
 from .problem import problem
+from .provenance import versions
 from .timing import timings_frame
 
-__all__ = ["run_all", "merge", "write", "main"]
+__all__ = ["run_all", "merge", "timed_rows", "write", "main"]
 
 
 # The compilers' on-disk caches: Inductor's, Triton's and Warp's kernels.
@@ -41,40 +41,31 @@ CACHES = {
 }
 
 
+def timed_rows(names: list[str], cold: bool = True) -> list[dict]:
+    """The named variants timed in this process (:func:`extkernels.variants.run`), as
+    a fresh process of :func:`_run_isolated` sends them back."""
+    prob = problem()
+    return [V.run(V.get(n), prob, cold=cold) for n in names]
+
+
 def _run_isolated(
     name: str, *, cold: bool = True, caches: str | None = None
 ) -> list[dict]:
     """``name`` timed in a fresh Python process. ``cold=False`` lets its first call use
     the compilers' on-disk caches. With ``caches`` (a folder) those caches live there:
-    empty for a variant's first run, what that run left for its later ones."""
-    env = dict(os.environ)
+    empty for a variant's first run, what that run left for its later ones. The
+    child's warnings (graph breaks a variant makes on purpose, one-time messages of
+    the libraries) would repeat in every run: shown only on failure, in the
+    :class:`~extkernels.fresh.FreshProcessError`."""
+    env = {}
     if caches is not None:
-        env.update({var: os.path.join(caches, sub) for var, sub in CACHES.items()})
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "extkernels.benchmark",
-            "--variants",
-            name,
-            "--rows-only",
-            out,
-        ]
-        # The child's warnings (graph breaks a variant makes on purpose, one-time
-        # messages of the libraries) would repeat in every run: shown only on failure.
-        child = subprocess.run(
-            cmd + ([] if cold else ["--warm-start"]),
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        if child.returncode != 0:
-            raise RuntimeError(
-                f"variant {name} failed in its process:\n{child.stderr[-4000:]}"
-            )
-        with open(out) as f:
-            return json.load(f)
+        env = {var: os.path.join(caches, sub) for var, sub in CACHES.items()}
+    try:
+        return fresh.call("extkernels.benchmark", "timed_rows", [name], cold, env=env)
+    except fresh.FreshProcessError as e:
+        raise fresh.FreshProcessError(
+            f"variant {name}", e.returncode, e.stderr
+        ) from None
 
 
 def run_all(
@@ -208,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="merge files of this command into --json",
     )
-    ap.add_argument("--rows-only", help=argparse.SUPPRESS)
-    ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.list:
         for v in V.VARIANTS:
@@ -223,13 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         write(args.json, df, meta)
         return 0
     names = args.variants.split(",") if args.variants else None
-    if args.rows_only:  # child process of an isolated variant
-        prob = problem()
-        with open(args.rows_only, "w") as f:
-            json.dump(
-                [V.run(V.get(n), prob, cold=not args.warm_start) for n in names], f
-            )
-        return 0
     df = run_all(names, repeats=args.repeats)
     cols = [
         "forward_ms",

@@ -21,7 +21,8 @@ Capture has rules, which :class:`CapturedStep` follows:
   (:func:`~extkernels.training.make_train_step` does both).
 
 The Warp operators support capture (see :mod:`extkernels.ops.warp.grids`); cuML's search
-synchronises with the host and cannot be captured.
+synchronises with the host and cannot be captured. :data:`IN_ONE_GRAPH` holds
+inductor's settings for a compiled projector inside one graph (chapter 11).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from .ops import capture
 from .ops.checks import value_checks
 from .training import make_forward, make_train_step
 
-__all__ = ["CapturedStep", "captured_forward", "captured_train_step"]
+__all__ = ["IN_ONE_GRAPH", "CapturedStep", "captured_forward", "captured_train_step"]
+
+#: Inductor's settings for the compiled projector inside one CUDA graph (chapter 11).
+#: Its pattern matcher rewrites each ``Linear`` followed by pointwise work into a
+#: matrix product without bias and a kernel that adds the bias (so that it fuses with
+#: the ReLU); for the projector's 25-wide layers the bias costs less inside cuBLAS's
+#: product. ``knn/fused+compile+graphs+inductor-defaults`` times the default beside it.
+IN_ONE_GRAPH = {"pattern_matcher": False}
 
 
 class CapturedStep:

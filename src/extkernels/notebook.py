@@ -1,95 +1,15 @@
 """Helpers for the first cells of every chapter (chapter 1 onward): versions, hardware
-and showing package code."""
+(:func:`~extkernels.provenance.versions`, kept here under its chapters' name) and
+showing package code."""
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import inspect
-import os
-import platform
-import subprocess
 from pathlib import Path
 
-import pandas as pd
-import torch
+from .provenance import versions
 
 __all__ = ["versions", "show_source", "cpp_excerpt", "show_cpp", "fake_tensors"]
-
-# (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different
-# names.
-_PACKAGES = [
-    ("torch", ("torch",)),
-    ("triton", ("triton", "pytorch-triton")),
-    ("warp", ("warp-lang",)),
-    ("cuml", ("cuml-cu12", "cuml-cu13", "cuml")),
-    ("rmm", ("rmm-cu12", "rmm-cu13", "rmm")),
-    ("cupy", ("cupy-cuda12x", "cupy-cuda13x", "cupy")),
-    ("pyptx", ("pyptx",)),
-]
-
-
-def _version(names: tuple[str, ...]) -> str:
-    for name in names:
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            continue
-    return "not installed"
-
-
-def _driver() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "n/a"
-
-
-def _host_cpu() -> str:
-    """The host's processor model and core count: host-bound timings (a launch, a
-    Python backward) depend on it as much as on the GPU."""
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        model = names[0] if names else model
-    return f"{model} ({os.cpu_count()} cores)"
-
-
-def versions() -> pd.DataFrame:
-    """The software and hardware this notebook runs on, one row each."""
-    rows = [("python", platform.python_version())]
-    # torch's own version string names its build (+cu130, +cpu); the package metadata
-    # may not.
-    rows += [
-        (label, torch.__version__ if label == "torch" else _version(names))
-        for label, names in _PACKAGES
-    ]
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        rows += [
-            (
-                "device",
-                f"{props.name} ({props.total_memory / 2**30:.0f} GiB, "
-                f"sm_{props.major}{props.minor})",
-            ),
-            ("CUDA (torch)", torch.version.cuda or "n/a"),
-            ("driver", _driver()),
-        ]
-    else:
-        rows += [("device", "CPU only (the host CPU below)")]
-    rows.append(("host CPU", _host_cpu()))
-    return pd.DataFrame(rows, columns=["component", "version"]).set_index("component")
 
 
 def show_source(obj) -> object:

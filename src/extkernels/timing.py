@@ -9,7 +9,8 @@ neighbours. The warm-up runs with every input check; the timed iterations skip t
 checks of tensor *values* (finite coordinates), which need a host synchronisation each,
 so that timings measure the computation. Timing goes through
 :class:`torch.utils.benchmark.Timer`, which synchronises the device around the timed
-block; results are milliseconds per iteration.
+block; results are milliseconds per iteration. :func:`crossover` reads two measured
+curves: the size from which one stays below the other (chapters 12 and 13).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .training import make_forward, make_train_step
 
 __all__ = [
     "Timing",
+    "crossover",
     "make_forward",
     "make_train_step",
     "time_fn",
@@ -297,6 +299,23 @@ def above_floor(df: pd.DataFrame, pairs: dict[str, tuple[str, str]]) -> pd.DataF
     out = pd.DataFrame(rows).T
     out["aggregation ms"] = out["projector ms"] - out["floor ms"]
     return out
+
+
+def crossover(df: pd.DataFrame, a: str, b: str, x: str, y: str = "ms") -> float:
+    """The smallest ``x`` from which backend ``a`` is faster than ``b`` at every larger
+    ``x`` measured for both (``a``'s slowest block below ``b``'s fastest); NaN when it
+    never is, and the smallest ``x`` when it always is."""
+    ok = df[df["status"] == "ok"]
+    pa = ok[ok["backend"] == a].set_index(x)
+    pb = ok[ok["backend"] == b].set_index(x)
+    common = sorted(set(pa.index) & set(pb.index))
+    found = math.nan
+    for value in reversed(common):
+        if pa.loc[value, "max"] < pb.loc[value, "min"]:
+            found = value
+        else:
+            break
+    return float(found)
 
 
 def forward_peak_mb(model, p_query: torch.Tensor, p_ref: torch.Tensor) -> float:

@@ -24,10 +24,11 @@ import torch
 
 from .clouds import workload
 from .data import query_grid, reference_cloud, targets
-from .experiments import shipping
+from .graphs import IN_ONE_GRAPH
 from .memory import use_rmm_pool
 from .models import FixedGather, KnnAggregation, Projector, RadiusAggregation, Shifted
 from .ops import backends, registry
+from .packaging import Packaged, just_in_time
 from .problem import Problem
 from .timing import Timing, first_call_seconds, time_projector
 from .training import make_forward, make_train_step
@@ -78,7 +79,8 @@ class Variant:
         mode: ``torch.compile``'s mode (``"reduce-overhead"``: inductor replays the
             compiled graphs as CUDA graphs, around operators tagged unsafe for them).
         inductor: ``torch.compile``'s ``options``, inductor's settings for this
-            model (:data:`IN_ONE_GRAPH`); empty for its defaults.
+            model (:data:`~extkernels.graphs.IN_ONE_GRAPH`, named here too); empty
+            for its defaults.
         cloud: the reference cloud and queries, one of
             :data:`extkernels.clouds.GEOMETRIES` (chapter 14); ``"normal"`` is the
             book's cloud on its query grid.
@@ -168,7 +170,7 @@ class Variant:
         if self.package:
             return (
                 model,
-                shipping.Packaged(model, p_query, p_ref),
+                Packaged(model, p_query, p_ref),
                 (p_query, p_ref, target),
             )
         options = {"options": self.inductor} if self.inductor else {}
@@ -178,14 +180,6 @@ class Variant:
             else model
         )
         return model, run_model, (p_query, p_ref, target)
-
-
-#: Inductor's settings for the compiled projector inside one CUDA graph (chapter 11).
-#: Its pattern matcher rewrites each ``Linear`` followed by pointwise work into a
-#: matrix product without bias and a kernel that adds the bias (so that it fuses with
-#: the ReLU); for the projector's 25-wide layers the bias costs less inside cuBLAS's
-#: product. ``knn/fused+compile+graphs+inductor-defaults`` times the default beside it.
-IN_ONE_GRAPH = {"pattern_matcher": False}
 
 
 def compiled(name: str, backend: str, chapter: int, **options) -> Variant:
@@ -308,7 +302,7 @@ def run(variant: Variant, prob: Problem, *, cold: bool = True) -> dict:
     if variant.setup is not None:
         variant.setup()
     if variant.jit:
-        shipping.just_in_time(cold)
+        just_in_time(cold)
     if variant.compile:
         torch._dynamo.reset()  # nothing compiled earlier in this process is reused
     model, run_model, (p_query, p_ref, target) = variant.build(prob)

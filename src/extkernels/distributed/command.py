@@ -11,8 +11,8 @@ import sys
 
 import pandas as pd
 
-from ..notebook import versions
 from ..problem import problem
+from ..provenance import versions
 from . import launch
 from .bench import measure, table
 from .exactness import compare, compile_report

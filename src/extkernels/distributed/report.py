@@ -17,8 +17,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from ..experiments.scaling import crossover
 from ..plotting import scaling_plot
+from ..timing import crossover
 from .bench import table
 
 __all__ = [

@@ -2,30 +2,31 @@
 4's experiment): ``cudaMalloc`` and ``cudaFree``, and the synchronising calls that a
 removed ``cudaFree`` hands its wait to.
 
-PyTorch's allocator is chosen once per process, so each measurement runs in a fresh
-one::
+The step is the benchmark's ``knn/cuml-op+compile``: the projector with cuML's search
+as a custom operator, compiled with ``fullgraph=True``. PyTorch's allocator is chosen
+once per process, so each measurement runs in a fresh one::
 
     python -m extkernels.experiments.allocations --pool none --json out.json
     python -m extkernels.experiments.allocations --pool rapids --json out.json
     python -m extkernels.experiments.allocations --pool shared --json out.json
 
-:func:`calls_in_fresh_process` runs that command from the chapter and reads its table
-back; :func:`timing_numbers` and :func:`call_numbers` pick the figures that chapter 4's
-prose quotes.
+:func:`calls_in_fresh_process` runs :func:`allocation_calls` so from the chapter
+(:func:`extkernels.fresh.call`); :func:`timing_numbers` and :func:`call_numbers` pick
+the figures that chapter 4's prose quotes.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+import json
 
 import pandas as pd
+import torch
 
-from .. import variants
+from .. import fresh
+from ..data import query_grid, reference_cloud, targets
 from ..memory import use_rmm_pool
+from ..models import KnnAggregation, Projector
 from ..problem import problem
 from ..profiling import profile, runtime_calls
 from ..training import make_train_step
@@ -33,8 +34,10 @@ from ..training import make_train_step
 __all__ = [
     "allocation_calls",
     "call_numbers",
+    "allocation_rows",
     "calls_in_fresh_process",
     "main",
+    "projector",
     "timing_numbers",
 ]
 
@@ -46,12 +49,24 @@ POOLS = ("none", "rapids", "shared")
 CALLS = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
-def allocation_calls(
-    variant_name: str = "knn/cuml-op+compile", *, pool: str, n_iters: int = 5
-):
-    """The calls of :data:`CALLS` per training step of a variant, with the given pool.
+def projector(backend: str, prob) -> tuple[torch.nn.Module, tuple]:
+    """The kNN projector with ``backend``'s aggregation and its data at ``prob``'s
+    sizes, built as the benchmark builds its variants: ``(model, (p_query, p_ref,
+    target))``."""
+    p_ref = reference_cloud(prob.n_ref, seed=prob.seed, device=prob.device)
+    p_query = query_grid(prob.grid_side, device=prob.device)
+    target = targets(p_query.shape[0], seed=prob.seed, device=prob.device)
+    agg = KnnAggregation(prob.k, prob.sigma, backend)
+    torch.manual_seed(prob.seed)
+    return Projector(agg, prob.hidden).to(prob.device), (p_query, p_ref, target)
 
-    Must run in a fresh process (see :func:`main`), since the allocator is chosen once.
+
+def allocation_calls(backend: str = "cuml", *, pool: str, n_iters: int = 5):
+    """The calls of :data:`CALLS` per training step of the compiled kNN projector with
+    ``backend``'s aggregation (cuML's: ``knn/cuml-op+compile``), with the given pool.
+
+    Must run in a fresh process (see :func:`calls_in_fresh_process`), since the
+    allocator is chosen once.
 
     Returns:
         DataFrame of :func:`extkernels.profiling.runtime_calls` restricted to those
@@ -62,8 +77,9 @@ def allocation_calls(
     if pool != "none":
         use_rmm_pool(pytorch=pool == "shared")
     prob = problem()
-    model, run_model, (p_query, p_ref, target) = variants.get(variant_name).build(prob)
-    step = make_train_step(run_model, model.parameters(), p_query, p_ref, target)
+    model, data = projector(backend, prob)
+    run_model = torch.compile(model, fullgraph=True)
+    step = make_train_step(run_model, model.parameters(), *data)
     prof = profile(step, device=prob.device, n_iters=n_iters, warmup=3)
     names = list(CALLS)
     calls = runtime_calls(prof, names=CALLS).set_index("name")
@@ -72,11 +88,14 @@ def allocation_calls(
     return calls.reindex(order, fill_value=0.0).reset_index()
 
 
-def calls_in_fresh_process(
-    pool: str, variant_name: str = "knn/cuml-op+compile"
-) -> pd.DataFrame:
+def allocation_rows(pool: str, backend: str = "cuml") -> list[dict]:
+    """:func:`allocation_calls` as JSON records, what a fresh process sends back."""
+    return json.loads(allocation_calls(backend, pool=pool).to_json(orient="records"))
+
+
+def calls_in_fresh_process(pool: str, backend: str = "cuml") -> pd.DataFrame:
     """:func:`allocation_calls` for ``pool``, run in a fresh Python process (chapter
-    4): the command of :func:`main`, its table read back.
+    4).
 
     Returns:
         DataFrame indexed by runtime call name, with ``calls`` and ``host time (ms)``
@@ -84,13 +103,10 @@ def calls_in_fresh_process(
     """
     if pool not in POOLS:
         raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "calls.json"
-        module = "extkernels.experiments.allocations"
-        cmd = [sys.executable, "-m", module, "--pool", pool, "--json", str(out)]
-        cmd += ["--variant", variant_name]
-        subprocess.run(cmd, check=True, capture_output=True)
-        return pd.read_json(out).set_index("name")
+    rows = fresh.call(
+        "extkernels.experiments.allocations", "allocation_rows", pool, backend
+    )
+    return pd.DataFrame(rows).set_index("name")
 
 
 def timing_numbers(
@@ -141,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pool", choices=POOLS, default="none", help="which RMM pool to install"
     )
-    ap.add_argument("--variant", default="knn/cuml-op+compile")
+    ap.add_argument("--backend", default="cuml", help="the kNN aggregation's backend")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
-    allocation_calls(args.variant, pool=args.pool).to_json(args.json, orient="records")
+    allocation_calls(args.backend, pool=args.pool).to_json(args.json, orient="records")
     return 0
 
 

@@ -13,6 +13,10 @@ which make the host wait for the GPU on each call. The radius methods
 (``fused-radius``, ``warp-radius``) time :func:`extkernels.radius_aggregate` the same
 way (radius 0.1, 25 features). The table gives, per (cloud, size, method), the median
 over the processes and its spread (min-max), and writes every run as JSON.
+
+The methods by name (:func:`searcher`, :data:`METHODS`, :data:`LIBRARIES`,
+:data:`RADIUS`) and :func:`merge_into`, which the traits command shares, live in
+:mod:`extkernels.searches` and are named here too.
 """
 
 from __future__ import annotations
@@ -20,21 +24,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from .. import clouds, reference
-from ..notebook import versions
-from ..ops import fused, knn, radius_aggregate, registry
+from .. import clouds, fresh, reference
+from ..ops import fused
 from ..ops.checks import value_checks
 from ..problem import problem
+from ..provenance import versions
 from ..results import at_size
+from ..searches import LIBRARIES, RADIUS, merge_into, search_methods, searcher
 from ..timing import time_blocks, time_fn
 
 __all__ = [
@@ -55,84 +57,10 @@ __all__ = [
 ]
 
 
-def search_methods() -> dict[str, tuple[str, dict]]:
-    """The book's search methods, read from the registry (each backend's book record's
-    ``methods``), the latest chapter's first: name -> (backend, options of
-    :func:`extkernels.knn`). :data:`METHODS` is the same, generated when read."""
-    taught = [b for b in registry.registered() if b.book and b.book.methods]
-    taught.sort(key=lambda b: -b.book.chapter)
-    return {
-        name: (b.name, dict(options))
-        for b in taught
-        for name, options in b.book.methods.items()
-    }
-
-
 def __getattr__(name: str):
     if name == "METHODS":
         return search_methods()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _cuvs(w: clouds.Workload, k: int):
-    """cuVS's brute force (squared Euclidean, expanded as |q|^2 + |p|^2 - 2 q.p)."""
-    import cupy as cp
-    from cuvs.neighbors import brute_force
-
-    def search():
-        index = brute_force.build(cp.from_dlpack(w.p_ref), metric="sqeuclidean")
-        d2, rows = brute_force.search(index, cp.from_dlpack(w.p_query), k)
-        d2 = torch.as_tensor(cp.asarray(d2), device=w.p_ref.device)
-        rows = torch.as_tensor(cp.asarray(rows), device=w.p_ref.device)
-        return d2.clamp_min(0).sqrt(), rows.long()
-
-    return search
-
-
-def _cupy_knn(w: clouds.Workload, k: int):
-    """cupy-knn's linear BVH (points in Morton order, leaves of 32): built every call;
-    its kernels are compiled once, before timing."""
-    import cupy as cp
-    from cupy_knn import LBVHIndex
-
-    index = LBVHIndex(leaf_size=32)
-    index.build(cp.from_dlpack(w.p_ref))
-    index.prepare_knn_default(k)
-
-    def search():
-        index.build(cp.from_dlpack(w.p_ref))
-        rows, d2, _ = index.query_knn(cp.from_dlpack(w.p_query))
-        d2 = torch.as_tensor(cp.asarray(d2), device=w.p_ref.device)
-        rows = torch.as_tensor(cp.asarray(rows), device=w.p_ref.device)
-        return d2.clamp_min(0).sqrt(), rows.long()
-
-    return search
-
-
-#: Libraries a reader would otherwise pick, called directly: name -> a function of
-#: (workload, k) that returns a search (distances, rows).
-LIBRARIES = {"cuvs": _cuvs, "cupy-knn": _cupy_knn}
-
-
-#: The radius aggregation on the same clouds (radius and sigma 0.1, 25 features, as
-#: the book's radius projector): name -> backend of :func:`extkernels.radius_aggregate`.
-RADIUS = {"fused-radius": "fused", "warp-radius": "warp"}
-
-
-def searcher(method: str, w: clouds.Workload, k: int):
-    """The call that runs ``method`` (a key of :data:`METHODS`, :data:`LIBRARIES` or
-    :data:`RADIUS`) once on workload ``w``: a function of no argument, which returns
-    the search's ``(distances, rows)`` (a radius method's aggregation)."""
-    if method in LIBRARIES:
-        return LIBRARIES[method](w, k)
-    if method in RADIUS:
-        g = torch.Generator().manual_seed(0)
-        feats = torch.randn(w.p_ref.shape[0], 25, generator=g).to(w.p_ref.device)
-        return lambda: radius_aggregate(
-            w.p_query, w.p_ref, feats, 0.1, 0.1, backend=RADIUS[method]
-        )
-    backend, options = search_methods()[method]
-    return lambda: knn(w.p_query, w.p_ref, k, backend=backend, **options)
 
 
 def check(method: str, geometries, sizes, *, k: int = 7, side: int = 30) -> list[dict]:
@@ -207,32 +135,18 @@ def time_method(
 
 
 def _in_process(method: str, geometries, sizes, side: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [
-            sys.executable,
-            "-m",
+    try:
+        return fresh.call(
             "extkernels.experiments.geometry",
-            "run",
-            "--methods",
+            "time_method",
             method,
-            "--geometries",
-            ",".join(geometries),
-            "--sizes",
-            ",".join(map(str, sizes)),
-            "--side",
-            str(side),
-            "--out",
-            out,
-        ]
-        child = subprocess.run(cmd, capture_output=True, text=True)
-        if child.returncode != 0:  # a library that does not load here: said, skipped
-            print(
-                f"skip {method}: {child.stderr.strip().splitlines()[-1:]}", flush=True
-            )
-            return []
-        with open(out) as f:
-            return json.load(f)
+            list(geometries),
+            list(sizes),
+            side=side,
+        )
+    except fresh.FreshProcessError as e:  # a library that does not load here: skipped
+        print(f"skip {method}: {e.stderr.strip().splitlines()[-1:]}", flush=True)
+        return []
 
 
 def bench(
@@ -291,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m extkernels.experiments.geometry",
         description=__doc__.split("\n\n")[0],
     )
-    ap.add_argument("command", choices=["check", "bench", "run"])
+    ap.add_argument("command", choices=["check", "bench"])
     ap.add_argument(
         "--methods", default=",".join([*search_methods(), *LIBRARIES, *RADIUS])
     )
@@ -303,15 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     methods, geometries = args.methods.split(","), args.geometries.split(",")
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.command == "run":  # one fresh process of bench
-        rows = [
-            r
-            for m in methods
-            for r in time_method(m, geometries, sizes, side=args.side)
-        ]
-        with open(args.out, "w") as f:
-            json.dump(rows, f)
-        return 0
     if args.command == "check":  # exactness on every cloud
         rows = []
         for m in [m for m in methods if m not in RADIUS]:  # kNN searches only
@@ -343,32 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     merge_into(args.out, {"meta": meta, "runs": rows})
     return 0
-
-
-def merge_into(path: str, parts: dict) -> None:
-    """Adds ``parts`` to the JSON at ``path`` (runs, checks and traits are appended; a
-    method timed or checked again replaces its earlier rows; the meta's date lists
-    every call's; ``skipped`` lists the methods that did not load, until one is timed),
-    so that several calls build one file."""
-    data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
-    parts = dict(parts)
-    timed = {r["method"] for r in parts.get("runs", [])}
-    skipped = [*data.pop("skipped", []), *parts.pop("skipped", [])]
-    if skipped := [m for m in dict.fromkeys(skipped) if m not in timed]:
-        data["skipped"] = skipped
-    if "meta" in parts and "meta" in data:  # the date of every call, in order
-        dates = [*data["meta"]["date"].split(", "), parts["meta"]["date"]]
-        meta = {**parts["meta"], "date": ", ".join(dict.fromkeys(dates))}
-        parts = {**parts, "meta": meta}
-    for key in ("runs", "checks", "traits"):
-        if key in parts and key in data:
-            again = {r["method"] for r in parts[key]}
-            kept = [r for r in data[key] if r["method"] not in again]
-            parts = {**parts, key: kept + parts[key]}
-    data.update(parts)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from ..ops import knn_aggregate, radius_aggregate
 from ..ops.checks import value_checks
 from ..plotting import scaling_plot
 from ..results import variant_quotes
-from ..timing import peak_memory_mb, time_blocks, time_fn
+from ..timing import crossover, peak_memory_mb, time_blocks, time_fn
 
 __all__ = [
     "AXES",
@@ -144,23 +144,6 @@ def slopes(
         slope, _ = np.polyfit(np.log10(part[x]), np.log10(part[y]), 1)
         out[name] = float(slope)
     return pd.Series(out, name=f"slope of {y} vs {x}")
-
-
-def crossover(df: pd.DataFrame, a: str, b: str, x: str, y: str = "ms") -> float:
-    """The smallest ``x`` from which backend ``a`` is faster than ``b`` at every larger
-    ``x`` measured for both (``a``'s slowest block below ``b``'s fastest); NaN when it
-    never is, and the smallest ``x`` when it always is."""
-    ok = df[df["status"] == "ok"]
-    pa = ok[ok["backend"] == a].set_index(x)
-    pb = ok[ok["backend"] == b].set_index(x)
-    common = sorted(set(pa.index) & set(pb.index))
-    found = math.nan
-    for value in reversed(common):
-        if pa.loc[value, "max"] < pb.loc[value, "min"]:
-            found = value
-        else:
-            break
-    return float(found)
 
 
 def size_column(against: str) -> str:

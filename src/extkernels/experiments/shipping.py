@@ -12,9 +12,8 @@ largest difference from the expected output and the milliseconds per call;
 :func:`run_cpp` does the same from a C++ program (``csrc/aoti_run.cpp``, built just in
 time by :func:`cpp_runner` with ``AOTIModelPackageLoader``), with no Python at all.
 
-The benchmark's chapter-15 variants use :class:`Packaged` (a package loaded back on its
-first call, timed like any projector's forward pass) and :func:`just_in_time` (a
-process that builds the C++ libraries instead of loading the wheel's).
+:func:`package`, :class:`Packaged` and :func:`just_in_time`, which the benchmark's
+chapter-15 variants share, live in :mod:`extkernels.packaging` and are named here too.
 """
 
 from __future__ import annotations
@@ -22,20 +21,19 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
-import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from .. import fresh
 from ..data import query_grid, reference_cloud
 from ..models import KnnAggregation, Projector, RadiusAggregation
-from ..ops import backends, prebuilt, registry
+from ..ops import backends, registry
+from ..packaging import Packaged, just_in_time, package
 from ..problem import Problem
 from ..timing import time_blocks
 
@@ -199,42 +197,8 @@ def package_table(
     return pd.DataFrame(rows).set_index(["backend", "loaded"])
 
 
-def package(model: torch.nn.Module, inputs: tuple, path: Path) -> Path:
-    """``model`` (in eval mode) exported on ``inputs`` and compiled by AOTInductor into
-    the package ``path`` (``.pt2``)."""
-    ep = torch.export.export(model.eval(), inputs)
-    return Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(path)))
-
-
-_FRESH = textwrap.dedent(
-    """
-    import importlib, json, sys
-    import torch
-
-    args = json.loads(sys.argv[1])
-    for library in args["libraries"]:
-        torch.ops.load_library(library)
-    for module in args["imports"]:
-        importlib.import_module(module)
-    data = torch.load(args["data"])
-    try:
-        runner = torch._inductor.aoti_load_package(args["package"])
-        out = runner(*data["inputs"])
-    except Exception as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}))
-        sys.exit(0)
-    diff = (out - data["expected"]).abs().max().item()
-    ms = None
-    if args["seconds"] is not None:
-        from torch.utils import benchmark
-
-        timer = benchmark.Timer(
-            "runner(*inputs)", globals={"runner": runner, "inputs": data["inputs"]}
-        )
-        ms = timer.blocked_autorange(min_run_time=args["seconds"]).median * 1e3
-    print(json.dumps({"error": None, "max_abs_diff": diff, "ms": ms}))
-    """
-)
+#: The file a fresh process of :func:`run_fresh` loads: it imports PyTorch only.
+_CHILD = str(Path(__file__).with_name("package_run.py"))
 
 
 def run_fresh(
@@ -255,25 +219,23 @@ def run_fresh(
         the first call failed; otherwise ``max_abs_diff`` from ``expected`` and ``ms``
         per call (median of ``torch.utils.benchmark``'s blocks; ``None`` where
         ``seconds`` is).
+
+    Raises:
+        extkernels.fresh.FreshProcessError: the process failed before it reached the
+            package (a library that does not load, a module that does not import).
     """
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.pt"
         torch.save({"inputs": inputs, "expected": expected}, data)
-        args = {
-            "package": str(pt2),
-            "libraries": [str(p) for p in libraries],
-            "imports": list(imports),
-            "data": str(data),
-            "seconds": seconds,
-        }
-        done = subprocess.run(
-            [sys.executable, "-c", _FRESH, json.dumps(args)],
-            capture_output=True,
-            text=True,
+        return fresh.call(
+            _CHILD,
+            "run",
+            str(pt2),
+            str(data),
+            libraries=[str(p) for p in libraries],
+            imports=list(imports),
+            seconds=seconds,
         )
-    if done.returncode:
-        raise RuntimeError(f"run_fresh: the process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 def cpp_runner(verbose: bool = False) -> Path:
@@ -324,33 +286,6 @@ def run_cpp(
         lines = (done.stderr.strip() or "no error output").splitlines()
         return {"error": lines[-1]}
     return {"error": None, **json.loads(done.stdout.splitlines()[-1])}
-
-
-class Packaged:
-    """A model exported and compiled by AOTInductor into a package (``.pt2``), loaded
-    back on its first call: what a process that ships it pays first (chapter 15)."""
-
-    def __init__(self, model: torch.nn.Module, p_query, p_ref):
-        with torch.no_grad():
-            model.eval()(p_query, p_ref)  # loads the backend's library before the trace
-        folder = Path(tempfile.mkdtemp(prefix="extkernels-"))
-        self.path = package(model, (p_query, p_ref), folder / "projector.pt2")
-        self.runner = None
-
-    def __call__(self, p_query, p_ref):
-        if self.runner is None:
-            self.runner = torch._inductor.aoti_load_package(str(self.path))
-        return self.runner(p_query, p_ref)
-
-
-def just_in_time(cold: bool) -> None:
-    """Leave the prebuilt wheel unused in this process and, for a ``cold`` run, empty
-    the extension cache it builds into (the warm runs load the cold run's build)."""
-    os.environ[prebuilt.ENV] = "0"
-    cache = Path(tempfile.gettempdir()) / "extkernels-jit"
-    if cold:
-        shutil.rmtree(cache, ignore_errors=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(cache)
 
 
 def graph_table(calls: dict[str, Callable[[], object]], n_iters: int) -> pd.DataFrame:

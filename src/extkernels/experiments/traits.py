@@ -22,22 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from .. import clouds
+from .. import clouds, fresh
 from ..ops.checks import value_checks
-from . import geometry
+from ..searches import LIBRARIES, merge_into, search_methods, searcher
 
 __all__ = ["captures", "load", "probe", "spin", "waits", "main"]
 
 SPIN_MS = 50.0
-_MODULE = "extkernels.experiments.traits"
 
 
 def spin(ms: float, side: int = 4096) -> None:
@@ -95,7 +92,7 @@ def probe(method: str, n: int = 10_000) -> dict:
     book's value checks off, as inside a captured training step: with them on, every
     entry point of the book waits once per call, for its check of finite points."""
     w = clouds.workload("normal", n, side=20, device="cuda")
-    search = geometry.searcher(method, w, 7)
+    search = searcher(method, w, 7)
     with value_checks(False):
         return {
             "method": method,
@@ -105,14 +102,11 @@ def probe(method: str, n: int = 10_000) -> dict:
 
 
 def _in_process(method: str) -> dict | None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", _MODULE, "--one", method, "--out", str(out)]
-        child = subprocess.run(cmd, capture_output=True, text=True)
-        if child.returncode != 0 or not out.exists():
-            print(f"skip {method}: {child.stderr.strip().splitlines()[-1:]}")
-            return None
-        return json.loads(out.read_text())
+    try:
+        return fresh.call("extkernels.experiments.traits", "probe", method)
+    except fresh.FreshProcessError as e:
+        print(f"skip {method}: {e.stderr.strip().splitlines()[-1:]}")
+        return None
 
 
 def load(path) -> list[dict]:
@@ -122,18 +116,14 @@ def load(path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m extkernels.experiments.traits")
-    knn_methods = [*geometry.METHODS, *geometry.LIBRARIES]
+    knn_methods = [*search_methods(), *LIBRARIES]
     ap.add_argument("--methods", default=",".join(knn_methods))
-    ap.add_argument("--one", help="probe this method here (a child process)")
     ap.add_argument("--out", default="geometry.json")
     args = ap.parse_args(argv)
-    if args.one:
-        Path(args.out).write_text(json.dumps(probe(args.one)))
-        return 0
     rows = [r for m in args.methods.split(",") if (r := _in_process(m)) is not None]
     for r in rows:
         print(f"{r['method']:12s} waits {r['waits']!s:6s} captures {r['captures']}")
-    geometry.merge_into(args.out, {"traits": rows})
+    merge_into(args.out, {"traits": rows})
     return 0
 
 

@@ -18,14 +18,18 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 
 from ..data import query_grid, reference_cloud, targets
-from ..graphs import CapturedStep, captured_forward, captured_train_step
+from ..graphs import (
+    IN_ONE_GRAPH,
+    CapturedStep,
+    captured_forward,
+    captured_train_step,
+)
 from ..models import KnnAggregation, Projector, RadiusAggregation
 from ..ops import knn, knn_aggregate
 from ..ops.checks import value_checks
 from ..problem import Problem
 from ..profiling import profile, runtime_calls
 from ..timing import first_call_seconds, time_blocks, time_fn
-from ..variants import IN_ONE_GRAPH
 
 __all__ = [
     "lanes_table",
