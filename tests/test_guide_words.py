@@ -1,6 +1,8 @@
 """The guide's words about each backend agree with what the backend registers: an
-autograd formula named only where the operator has one, and cuML's search named as the
-algorithm the book's operator runs (chapter 3), never as a brute force.
+autograd formula named only where the operator has one (read from the operator,
+``Backend.has_autograd``), and cuML's search named as the algorithm the book's operator
+runs (chapter 3), never as a brute force. The guide and its glossary, generated from the
+backends' book records, are the tables the results page shows.
 
 The guide is the table the results page opens with and chapter 12 derives
 (:func:`extkernels.guide.guide`)."""
@@ -29,28 +31,49 @@ def table():
     return guide.guide(bench, clouds, times), times
 
 
-def _operator(backend: str, operation: str) -> str:
-    """The qualified name of the custom operator behind a guide row, made to exist."""
-    b = {b.name: b for b in registry.registered()}[backend]
-    qualname = b.operators[operation]
-    if backend in ("cpp", "fused") and not b.available():
-        pytest.skip(f"{backend}: its operators need a C++ toolchain to be built")
-    b.prepare()
-    return qualname
+#: Each row of the guide: situation -> (its backend, the operation whose operator it
+#: describes, None for plain PyTorch).
+ROWS = {row.situation: (backend, row.operation) for backend, row in guide.advice()}
 
 
-def has_autograd(qualname: str) -> bool:
-    """Whether the operator ``qualname`` (``"lib::name"``, already defined in this
-    process) has an autograd formula. A ``custom_op`` or ``triton_op`` always has a
-    kernel at the dispatcher's Autograd key, one that raises without a formula, so its
-    definition is asked instead; an operator defined in C++ (``TORCH_LIBRARY``) has an
-    Autograd kernel only once ``register_autograd`` gave it one."""
-    from torch._library.custom_ops import _maybe_get_opdef
+def _stored(cell_source: str) -> str:
+    """The HTML the results page stores for its one cell whose source is
+    ``cell_source``."""
+    nb = nbformat.read(ROOT / "book" / "results.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells if c.source.strip() == cell_source]
+    (html,) = [o["data"]["text/html"] for o in cell.outputs if "data" in o]
+    return html
 
-    opdef = _maybe_get_opdef(qualname)
-    if opdef is not None:
-        return opdef._backward_fn is not None
-    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
+
+def _lines_masked(html: str) -> str:
+    """``html`` with the backends' source lines left out: a change of code, not of
+    data, changes them."""
+    return re.sub(r"[\d,]+ lines;", "N lines;", html)
+
+
+def test_the_guide_is_the_one_the_results_page_shows():
+    """The rows, their order, the columns and every word of the guide the backends'
+    records generate are those the results page stores (that cell is not compared under
+    nbval: the source lines it counts change with the code)."""
+    _, bench = results.load(DATA / "benchmark-h200.json")
+    _, clouds = results.load(DATA / "benchmark-clouds-h200.json")
+    _, shipping = results.load(DATA / "benchmark-shipping-h200.json")
+    _, times, _ = geometry.load(DATA / "geometry-h200.json")
+    with pd.option_context("display.max_colwidth", None):
+        html = guide.guide(bench, clouds, times, shipping)._repr_html_()
+    stored = _stored("guide.guide(table, clouds, times, shipping)")
+    assert _lines_masked(html) == _lines_masked(stored)
+
+
+def test_the_glossary_is_the_one_the_results_page_shows():
+    shown = pd.Series(guide.GLOSSARY, name="meaning").rename_axis("part of the name")
+    with pd.option_context("display.max_colwidth", None):
+        html = shown.to_frame()._repr_html_()
+    source = (
+        'pd.Series(guide.GLOSSARY, name="meaning").rename_axis("part of the name")'
+        ".to_frame()"
+    )
+    assert html == _stored(source)
 
 
 def test_has_autograd_asks_the_definition_not_the_autograd_key():
@@ -68,25 +91,42 @@ def test_has_autograd_asks_the_definition_not_the_autograd_key():
     with_backward.register_autograd(lambda ctx, grad: grad)
     has_key = torch._C._dispatch_has_kernel_for_dispatch_key
     assert has_key("test_guide_words::plain", "Autograd")  # why the key misleads
-    assert not has_autograd("test_guide_words::plain")
-    assert has_autograd("test_guide_words::with_backward")
+    backend = registry.Backend(
+        "with-and-without",
+        operators={
+            "knn": "test_guide_words::plain",
+            "knn_aggregate": "test_guide_words::with_backward",
+        },
+    )
+    assert not backend.has_autograd("knn")
+    assert backend.has_autograd("knn_aggregate")
+    with pytest.raises(ValueError, match="^op: 'with-and-without' has custom"):
+        backend.has_autograd("radius_aggregate")
 
 
-def test_the_guide_has_one_row_per_entry_of_its_rows(table):
-    assert list(table[0].index) == list(guide.ROWS)
+def test_has_autograd_reads_a_cpp_operator_from_the_dispatcher():
+    """An operator defined in C++ has an Autograd kernel only once
+    ``register_autograd`` gave it one: chapter 11's aggregation has one, its replay
+    of the search's work none."""
+    fused = registry.get("fused")
+    if not fused.available():
+        pytest.skip("fused: its operators need a C++ toolchain to be built")
+    assert fused.has_autograd("knn_aggregate")
+    replay = registry.Backend(
+        "replay", operators={"knn": "extkernels_fused::knn_work"}, prepare=fused.prepare
+    )
+    assert not replay.has_autograd("knn")
 
 
 @pytest.mark.parametrize(
-    "situation", [s for s, (_, op) in guide.ROWS.items() if op is not None]
+    "situation", [s for s, (_, op) in ROWS.items() if op is not None]
 )
 def test_the_guide_says_autograd_iff_the_operator_has_one(situation, table):
-    backend, operation = guide.ROWS[situation]
-    registered = has_autograd(_operator(backend, operation))
-    assert guide.AUTOGRAD[(backend, operation)] == registered, (
-        f"guide.AUTOGRAD says {backend}'s {operation} operator "
-        f"{'has no' if registered else 'has an'} autograd formula; the dispatcher "
-        "says otherwise"
-    )
+    backend, operation = ROWS[situation]
+    b = registry.get(backend)
+    if backend in ("cpp", "fused") and not b.available():
+        pytest.skip(f"{backend}: its operators need a C++ toolchain to be built")
+    registered = b.has_autograd(operation)
     use = table[0].loc[situation, "use"]
     assert ("autograd" in use) == registered, (
         f"{situation!r}: the guide says {use!r}, but {backend}'s operator "
@@ -95,7 +135,7 @@ def test_the_guide_says_autograd_iff_the_operator_has_one(situation, table):
 
 
 def test_the_brute_force_row_names_no_autograd_formula(table):
-    (situation,) = [s for s, (_, op) in guide.ROWS.items() if op is None]
+    (situation,) = [s for s, (_, op) in ROWS.items() if op is None]
     assert "autograd" not in table[0].loc[situation, "use"]
 
 
@@ -103,8 +143,8 @@ def test_the_guide_names_the_search_the_cuml_operator_runs(table):
     schema = torch.ops.cuml.knn.default._schema
     (algorithm,) = [a.default_value for a in schema.arguments if a.name == "algorithm"]
     assert algorithm == cuml.DEFAULT_ALGORITHM == "rbc"
-    (situation,) = [s for s, (b, _) in guide.ROWS.items() if b == "cuml"]
-    assert guide.CUML_SEARCHES[algorithm] in table[0].loc[situation, "use"]
+    (situation,) = [s for s, (b, _) in ROWS.items() if b == "cuml"]
+    assert cuml.SEARCHES[algorithm] in table[0].loc[situation, "use"]
     cells = [str(v) for v in table[0].to_numpy().ravel()] + list(
         guide.GLOSSARY.values()
     )
@@ -196,9 +236,12 @@ def test_the_fused_rows_quote_the_just_in_time_build_from_the_shipping_file():
     _, clouds = results.load(DATA / "benchmark-clouds-h200.json")
     _, times, _ = geometry.load(DATA / "geometry-h200.json")
     _, shipping = results.load(DATA / "benchmark-shipping-h200.json")
-    jit = shipping.loc[guide.JIT_VARIANTS["fused"], "first_call_s"]
+    assert guide.jit_variant(shipping, "fused") == "knn/fused+graphs+jit"
+    assert guide.jit_variant(shipping, "cpp") is None  # its +aoti loads a package
+    assert guide.jit_variant(None, "fused") is None
+    jit = shipping.loc[guide.jit_variant(shipping, "fused"), "first_call_s"]
     costs = guide.guide(bench, clouds, times, shipping)["cost"]
-    fused = [s for s, (backend, _) in guide.ROWS.items() if backend == "fused"]
+    fused = [s for s, (backend, _) in ROWS.items() if backend == "fused"]
     for situation in fused:
         assert f"without the prebuilt wheel, {jit:.1f} s" in costs[situation]
     others = costs.drop(fused)

@@ -11,10 +11,10 @@ custom operator with a fake, so the operator's part of the suite (``opcheck``, t
 operator's and the fake's refusals) runs on it too; its ``knn_aggregate`` is the one the
 registry derives from the search (chapter 3 teaches both).
 
-The toy's book record (``registry.Book``) declares its variants of the benchmark and
-its search method of chapter 14, and nothing else is edited: the benchmark's
-``--list``, the campaign's plan and the geometry command's methods show it, as
-README's "Adding a backend" says.
+The toy's book record (``registry.Book``) declares its variants of the benchmark, what
+their names mean, its row of the guide and its search method of chapter 14, and nothing
+else is edited: the benchmark's ``--list``, the campaign's plan, the geometry command's
+methods, the guide and its glossary show it, as README's "Adding a backend" says.
 """
 
 import importlib.util
@@ -25,7 +25,7 @@ import pytest
 import test_registry as registry_tests
 import torch
 
-from extkernels import benchmark, campaign
+from extkernels import benchmark, campaign, guide, results
 from extkernels.experiments import geometry
 from extkernels.ops import registry
 from extkernels.ops.checks import check_knn
@@ -68,9 +68,20 @@ TOY = registry.Backend(
             v.Variant("knn/toy", "knn", NAME, chapter=3),
             v.compiled("knn/toy+compile", NAME, 3),
         ],
+        glossary={"toy": "a brute force declared in one test file (chapter 3)"},
+        advice=lambda g: [
+            g.Advice(
+                "kNN from one test file",
+                "the toy brute force, a custom operator {registered}",
+                "knn/toy+compile",
+                "knn",
+            )
+        ],
         methods={"toy": {}},
     ),
 )
+
+DATA = Path(__file__).resolve().parents[1] / "book" / "data"
 
 
 def _suite_for(backend: registry.Backend):
@@ -171,3 +182,29 @@ def test_no_list_names_the_toy_once_it_is_gone():
         registry._BACKENDS.pop(NAME)
         assert not [v for v in variants.VARIANTS if v.backend == NAME]
         assert "toy" not in geometry.METHODS
+        assert "toy" not in guide.GLOSSARY
+        assert NAME not in [backend for backend, _ in guide.advice()]
+
+
+def test_the_guide_shows_the_toys_row_and_the_glossary_its_name():
+    _, bench = results.load(DATA / "benchmark-h200.json")
+    _, clouds = results.load(DATA / "benchmark-clouds-h200.json")
+    _, times, _ = geometry.load(DATA / "geometry-h200.json")
+    table = guide.guide(bench, clouds, times)
+    row = table.loc["kNN from one test file"]
+    # its operator has a fake and no autograd formula: the registry's derived
+    # aggregation differentiates through the gather
+    assert row["use"] == (
+        "the toy brute force, a custom operator with a fake and no gradient formula, "
+        "which the neighbours do not need"
+    )
+    assert row["on the book's cloud"] == row["on real geometry"] == "not measured"
+    assert row["cost"].endswith("lines; PyTorch only")
+    # after the kNN rows of the backends the book's order of advice names
+    situations = list(table.index)
+    where = situations.index("kNN from one test file")
+    assert situations[where - 1] == "A kNN library you already use (cuML)"
+    assert situations[where + 1] == "Radius neighbourhoods"
+    # its words in the glossary, among the backends of chapter 3
+    parts = list(guide.GLOSSARY)
+    assert parts.index("cuml-op") < parts.index("toy") < parts.index("warp")

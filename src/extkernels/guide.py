@@ -2,77 +2,103 @@
 book's cloud (the benchmark command) and on real geometry (chapter 14's geometry
 command and its benchmark variants on CAD meshes), with what adopting each choice
 costs. The results page opens with it; chapter 12 derives it.
+
+Its rows are the backends' (``Book.advice`` of :mod:`extkernels.ops.registry`, each a
+list of :class:`Advice`): the reference first, then per workload in the book's order of
+advice (``registry.PREFERENCE``). Whether a row's operator has an autograd formula is
+read from the operator (``Backend.has_autograd``). The glossary of the variants' names
+(:data:`GLOSSARY`) joins the backends' words (``Book.glossary``, in the order of their
+chapters) to those of the workloads, the options and the clouds.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from . import results
 from .ops import registry
-from .ops.cuml import DEFAULT_ALGORITHM as CUML_ALGORITHM
 
 __all__ = [
-    "AUTOGRAD",
-    "CUML_SEARCHES",
-    "GLOSSARY",
-    "JIT_VARIANTS",
-    "ROWS",
+    "Advice",
+    "Evidence",
+    "GLOSSARY",  # noqa: F822  (generated when read, see __getattr__)
+    "advice",
+    "against_book_cloud",
+    "glossary",
     "guide",
+    "jit_variant",
+    "search_range",
+    "slowest_cloud",
     "source_lines",
     "toolchain",
+    "tree",
+    "worst",
 ]
 
 _OPS = Path(__file__).parent / "ops"
 
-#: Each row of the guide: the backend it recommends and the operation whose custom
-#: operator the row describes (``None``: plain PyTorch, no operator of its own).
-ROWS = {
-    "A reference to test against, a prototype": ("torch", None),
-    "kNN in a training loop, any cloud": ("fused", "knn_aggregate"),
-    "kNN on clouds known to be blobs": ("fused", "knn_aggregate"),
-    "kNN without a C++ toolchain": ("triton", "knn_aggregate"),
-    "A kNN library you already use (cuML)": ("cuml", "knn"),
-    "Radius neighbourhoods": ("fused", "radius_aggregate"),
-    "Radius neighbourhoods, Warp already in your stack": ("warp", "radius_aggregate"),
+
+@dataclass(frozen=True)
+class Evidence:
+    """The measurements a row's words quote: the benchmark command's table
+    (``bench``), its variants on other clouds (``clouds``), the geometry command's
+    table (``times``) and chapter 15's shipping file (``shipping``, or ``None``)."""
+
+    bench: pd.DataFrame
+    clouds: pd.DataFrame
+    times: pd.DataFrame
+    shipping: pd.DataFrame | None = None
+
+    def table_of(self, variant: str) -> pd.DataFrame:
+        """The benchmark's table that holds ``variant``: the book's cloud's, else the
+        other clouds'."""
+        return self.bench if variant in self.bench.index else self.clouds
+
+
+def _not_measured(evidence: Evidence) -> str:
+    return "not measured"
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One row of the guide, as a backend's book record gives it.
+
+    Attributes:
+        situation: the situation the row advises for (the table's index).
+        use: what to use, in words; ``{registered}`` stands for what the operator of
+            ``operation`` registers beside its kernel, read from it.
+        variant: the benchmark variant whose training step and first call it quotes.
+        operation: the operation whose custom operator it describes; ``None`` for
+            plain PyTorch.
+        geometry: its words on real geometry, from the measurements.
+        reference: the row of the reference to test against (listed first).
+    """
+
+    situation: str
+    use: str
+    variant: str
+    operation: str | None = None
+    geometry: Callable[[Evidence], str] = _not_measured
+    reference: bool = False
+
+    @property
+    def workload(self) -> str:
+        """The workload of its variant (``"knn"`` or ``"radius"``)."""
+        return self.variant.split("/")[0]
+
+
+#: The parts of a variant's name that name no backend, and where the glossary lists
+#: them: the workloads before the backends, the rest after.
+_WORKLOADS = {
+    "knn/, radius/": "the workload: the kNN projector or the radius projector"
 }
-
-#: Whether the custom operator of a (backend, operation) has an autograd formula, as
-#: its chapter registers it: the guide's words follow it, and the tests check it
-#: against the dispatcher (``tests/test_guide_words.py``).
-#: cuML's operator is only the search: its distances differentiate with respect to both
-#: clouds (ops.positions), and PyTorch's gather after it carries the features'.
-AUTOGRAD = {
-    ("cuml", "knn"): True,
-    ("triton", "knn_aggregate"): True,
-    ("fused", "knn_aggregate"): True,
-    ("fused", "radius_aggregate"): True,
-    ("warp", "radius_aggregate"): True,
-}
-
-#: cuML's exact searches as the guide names them; it names the one the book's operator
-#: runs (``extkernels.ops.cuml.DEFAULT_ALGORITHM``, chapter 3).
-CUML_SEARCHES = {"rbc": "random ball cover (RBC)", "brute": "brute force"}
-
-#: The parts of a variant's name (``workload/backend+option@cloud``).
-GLOSSARY = {
-    "knn/, radius/": "the workload: the kNN projector or the radius projector",
-    "torch": "the PyTorch brute force (chapters 1 and 5)",
-    "cuml": "cuML's NearestNeighbors called from Python (chapter 3)",
-    "cuml-op": "cuML's search registered as a custom operator (chapter 3)",
-    "warp": "NVIDIA Warp's hash grid as a custom operator (chapters 5 to 7)",
-    "warp-saved, warp-manual": "Warp's operator handing the normalisers to its "
-    "backward through ctx and building the grid again, or with a backward kernel "
-    "written by hand instead of Warp's adjoint (chapter 6)",
-    "triton": "a grid search written in Triton (chapter 8)",
-    "cpp": "a grid search in CUDA C++, one thread per query (chapter 9)",
-    "ptx": "chapter 9's search with a gather written in PTX through pyptx (chapter 10)",
-    "fused": "the fused CUDA operators of chapter 11: search, softmax and gather in "
-    "one kernel; for kNN on the tree of chapter 14",
-    "fused-grid": "the fused kNN on chapter 11's grid instead of the tree (chapter 14)",
+_OTHER_PARTS = {
     "floor": "no aggregation at all: the model around it, the least any variant can "
     "take (chapters 9 and 11)",
     "+compile": "the model compiled with torch.compile",
@@ -87,6 +113,42 @@ GLOSSARY = {
     "@panda, @spitfire, @outlier": "the reference cloud sampled on a CAD mesh or "
     "with a far outlier (chapter 14); without it, the book's cloud",
 }
+
+
+def glossary() -> dict[str, str]:
+    """The parts of a variant's name (``workload/backend+option@cloud``) and what they
+    mean: the workloads, each backend's words in the order of the chapters, then the
+    floor, the options and the clouds."""
+    taught = sorted(
+        (b for b in registry.registered() if b.book), key=lambda b: b.book.chapter
+    )
+    words = dict(_WORKLOADS)
+    for b in taught:
+        words.update(b.book.glossary)
+    return words | _OTHER_PARTS
+
+
+def __getattr__(name: str):
+    if name == "GLOSSARY":
+        return glossary()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def advice() -> list[tuple[str, Advice]]:
+    """Every row of the guide with its backend: the reference rows, then per workload
+    (in the order of their first appearance) the backends in the book's order of
+    advice, each with its rows in the order its record gives them."""
+    this = sys.modules[__name__]
+    rows = [
+        (b.name, row)
+        for b in registry.by_preference(registry.registered())
+        if b.book and b.book.advice
+        for row in b.book.advice(this)
+    ]
+    workloads = list(dict.fromkeys(row.workload for _, row in rows))
+    return sorted(
+        rows, key=lambda r: (not r[1].reference, workloads.index(r[1].workload))
+    )
 
 
 def toolchain(backend: str) -> str:
@@ -112,15 +174,23 @@ def source_lines(backend: str) -> int:
 
 def _registered(backend: str, operation: str) -> str:
     """What a backend's operator registers beside its kernel, in words."""
-    if AUTOGRAD[(backend, operation)]:
+    if registry.get(backend).has_autograd(operation):
         return "with a fake and an autograd formula"
     # a search alone: the neighbours carry no gradient, PyTorch's gather after it does
     return "with a fake and no gradient formula, which the neighbours do not need"
 
 
-#: The variant whose first call builds a backend's libraries just in time into an empty
-#: extension cache (chapter 15's shipping file), for the backends the guide names.
-JIT_VARIANTS = {"fused": "knn/fused+graphs+jit"}
+def jit_variant(shipping: pd.DataFrame | None, backend: str) -> str | None:
+    """The variant of chapter 15's shipping file whose first call builds the backend's
+    libraries just in time into an empty extension cache (its name,
+    ``workload/backend+option@cloud``, carries the option ``jit``); ``None`` for
+    none."""
+    names = [] if shipping is None else list(shipping.index)
+    for name in names:
+        backend_of, *options = name.split("/", 1)[-1].split("@")[0].split("+")
+        if backend_of == backend and "jit" in options:
+            return name
+    return None
 
 
 def _first_calls(table: pd.DataFrame | None, variant: str | None) -> tuple:
@@ -142,7 +212,7 @@ def _cost(
     when = "" if first != first else f"; first call of a new process {first:.1f} s"
     if when and warm == warm:  # the benchmark's later runs: the caches the first left
         when += f" ({warm:.1f} s with the compilers' caches warm)"
-    jit, jit_warm = _first_calls(shipping, JIT_VARIANTS.get(backend))
+    jit, jit_warm = _first_calls(shipping, jit_variant(shipping, backend))
     if jit == jit:
         when += (
             f"; without the prebuilt wheel, {jit:.1f} s to build just in time into an "
@@ -159,10 +229,56 @@ def _train(bench: pd.DataFrame, variant: str) -> str:
     return f"{bench.loc[variant, 'train_ms']:.3f} ms per training step"
 
 
-def _worst(times: pd.DataFrame, method: str, n: int = 1_000_000) -> str:
-    ms = results.at_size(times, n, [method])[method]
+def worst(evidence: Evidence, method: str, n: int = 1_000_000) -> str:
+    """The slowest search of a geometry method at ``n`` points, rounded up, and the
+    cloud that took it."""
+    ms = results.at_size(evidence.times, n, [method])[method]
     most = f"{float(results.at_most(ms.max())):,.0f}"  # a worst case rounds up
     return f"up to {most} ms per search at 10⁶ points ({ms.idxmax()})"
+
+
+def search_range(evidence: Evidence, method: str, n: int = 1_000_000) -> str:
+    """A geometry method's searches at ``n`` points, fastest to slowest, as a range
+    that encloses them."""
+    ms = results.at_size(evidence.times, n, [method])[method]
+    return f"{results.at_least(ms.min())} to {results.at_most(ms.max())} ms"
+
+
+def tree(evidence: Evidence) -> str:
+    """The tree's search on every cloud against cuML's, and the training step in one
+    CUDA graph on the CAD meshes against the book's cloud (chapter 14)."""
+    times = results.tree_times(evidence.times)
+    train = evidence.clouds["train_ms"]
+    mesh_ratio = max(
+        train[f"knn/fused+graphs@{m}"] / train["knn/fused+graphs"]
+        for m in ("panda", "spitfire")
+    )
+    most_ms = results.at_most(times["ms at 10⁶"].max(), 2)
+    least_x = results.at_least(times["x cuml at 10⁶"].min())
+    return (
+        f"search at most {most_ms} ms at 10⁶ points on every cloud, "
+        f"{least_x}× cuML or more; "
+        f"training step on CAD meshes within {results.at_most(mesh_ratio, 2)}× the "
+        "book's cloud"
+    )
+
+
+def _radius_ratio(evidence: Evidence, method: str) -> pd.Series:
+    """A radius method's time on each cloud over its time on the book's cloud."""
+    return results.radius_times(evidence.times)[f"{method} / normal"]
+
+
+def against_book_cloud(evidence: Evidence, method: str) -> str:
+    """A radius method on every cloud against the book's cloud
+    (:func:`extkernels.results.against_book_cloud`)."""
+    return results.against_book_cloud(_radius_ratio(evidence, method))
+
+
+def slowest_cloud(evidence: Evidence, method: str) -> str:
+    """A radius method's slowest cloud against the book's, its ratio rounded up."""
+    ratio = _radius_ratio(evidence, method).drop("normal")
+    most = results.at_most(ratio.max(), 1)
+    return f"up to {most}× its time on the book's cloud ({ratio.idxmax()})"
 
 
 def guide(
@@ -171,82 +287,25 @@ def guide(
     times: pd.DataFrame,
     shipping: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """The advice, one row per situation: what to use, its training step on the
-    book's cloud (``bench``, the benchmark command's table), how it fares on real
-    geometry (``times``, the geometry command's table; ``clouds``, the benchmark's
-    variants on other clouds) and what it costs to adopt, first calls included: each
-    variant's own, and where ``shipping`` (chapter 15's file) is given, the libraries
-    built just in time instead of loaded from the prebuilt wheel."""
-    tree = results.tree_times(times)
-    train = clouds["train_ms"]
-    mesh_ratio = max(
-        train[f"knn/fused+graphs@{m}"] / train["knn/fused+graphs"]
-        for m in ("panda", "spitfire")
-    )
-    radius = results.radius_times(times)
-    fused_x, warp_x = radius["fused-radius / normal"], radius["warp-radius / normal"]
-    cuml = results.at_size(times, 1_000_000, ["cuml"])["cuml"]
-    search = CUML_SEARCHES[CUML_ALGORITHM]
-    cuml_ms = f"{results.at_least(cuml.min())} to {results.at_most(cuml.max())} ms"
-    most_ms = results.at_most(tree["ms at 10⁶"].max(), 2)
-    least_x = results.at_least(tree["x cuml at 10⁶"].min())
-    rows = [
-        (
-            "the PyTorch brute force, compiled (chapters 1 and 2)",
-            _train(bench, "knn/torch+compile"),
-            "the same work on any cloud; memory grows as N × M (chapter 12)",
-            _cost(bench, "knn/torch+compile", "torch"),
-        ),
-        (
-            "the fused operators (chapters 11 and 14), "
-            f"{_registered('fused', 'knn_aggregate')}; the step in one CUDA graph",
-            _train(bench, "knn/fused+graphs"),
-            f"search at most {most_ms} ms at 10⁶ points on every cloud, "
-            f"{least_x}× cuML or more; "
-            f"training step on CAD meshes within {results.at_most(mesh_ratio, 2)}× the "
-            "book's cloud",
-            _cost(bench, "knn/fused+graphs", "fused", shipping),
-        ),
-        (
-            "the fused operators with index='grid' (chapter 11), "
-            f"{_registered('fused', 'knn_aggregate')}",
-            _train(clouds, "knn/fused-grid+graphs"),
-            f"falls off a cliff: {_worst(times, 'fused-grid')}",
-            _cost(clouds, "knn/fused-grid+graphs", "fused", shipping),
-        ),
-        (
-            "the Triton grid search (chapter 8), a triton_op "
-            f"{_registered('triton', 'knn_aggregate')}",
-            _train(bench, "knn/triton+reduce-overhead"),
-            f"the same cliff, {_worst(times, 'triton')}; there cuML's search "
-            f"({cuml_ms} on every cloud) is safer",
-            _cost(bench, "knn/triton+reduce-overhead", "triton"),
-        ),
-        (
-            f"cuML's exact search, its {search}, as a custom operator "
-            f"{_registered('cuml', 'knn')} (chapter 3); one memory pool (chapter 4)",
-            _train(bench, "knn/cuml-op+compile+rmm"),
-            f"little moved by the cloud: {cuml_ms} per search at 10⁶ "
-            "points on every cloud; no CUDA graph can hold it",
-            _cost(bench, "knn/cuml-op+compile+rmm", "cuml"),
-        ),
-        (
-            "the fused warp-per-query walk (chapter 11), "
-            f"{_registered('fused', 'radius_aggregate')}, in one graph",
-            _train(bench, "radius/fused+graphs"),
-            results.against_book_cloud(fused_x),
-            _cost(bench, "radius/fused+graphs", "fused", shipping),
-        ),
-        (
-            "Warp's hash grid as a custom operator "
-            f"{_registered('warp', 'radius_aggregate')} (chapters 5 to 7)",
-            _train(bench, "radius/warp+graphs"),
-            f"up to {results.at_most(warp_x.drop('normal').max(), 1)}× its time on the "
-            "book's cloud "
-            f"({warp_x.drop('normal').idxmax()})",
-            _cost(bench, "radius/warp+graphs", "warp"),
-        ),
-    ]
-    rows = [(situation, *row) for situation, row in zip(ROWS, rows, strict=True)]
+    """The advice, one row per situation (:func:`advice`): what to use, its training
+    step on the book's cloud (``bench``, the benchmark command's table), how it fares
+    on real geometry (``times``, the geometry command's table; ``clouds``, the
+    benchmark's variants on other clouds) and what it costs to adopt, first calls
+    included: each variant's own, and where ``shipping`` (chapter 15's file) is given,
+    the libraries built just in time instead of loaded from the prebuilt wheel."""
+    evidence = Evidence(bench, clouds, times, shipping)
+    rows = []
+    for backend, row in advice():
+        table = evidence.table_of(row.variant)
+        registered = _registered(backend, row.operation) if row.operation else ""
+        rows.append(
+            (
+                row.situation,
+                row.use.format(registered=registered),
+                _train(table, row.variant),
+                row.geometry(evidence),
+                _cost(table, row.variant, backend, shipping),
+            )
+        )
     columns = ["situation", "use", "on the book's cloud", "on real geometry", "cost"]
     return pd.DataFrame(rows, columns=columns).set_index("situation")

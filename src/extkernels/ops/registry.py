@@ -15,13 +15,16 @@ The registry is the one place where facts about a backend live, in two records:
   ``toolchain`` a reader needs beside PyTorch (the guide of chapter 12 prints it), its
   variants in the benchmark (``variants``, a function that builds them, so that this
   module imports nothing of :mod:`extkernels.variants`) or why it has none
-  (``not_benchmarked``), its search methods in chapter 14 (``methods``) and the
+  (``not_benchmarked``), what the parts of their names mean (``glossary``), its rows
+  of the guide (``advice``), its search methods in chapter 14 (``methods``) and the
   workload of the projector chapter 15 packages (``shipped``).
 
 Everything else that lists backends is generated from these records:
-:data:`extkernels.variants.VARIANTS`, :data:`extkernels.experiments.geometry.METHODS`
-and :func:`extkernels.experiments.shipping.shipped` are read from the registry when
-asked for, so a backend registered later (a test's) is in them too.
+:data:`extkernels.variants.VARIANTS`, :data:`extkernels.experiments.geometry.METHODS`,
+:func:`extkernels.experiments.shipping.shipped`, the guide and its glossary
+(:mod:`extkernels.guide`) are read from the registry when asked for, so a backend
+registered later (a test's) is in them too. The guide lists its rows in the book's
+order of advice (:data:`PREFERENCE`).
 
 A kNN backend writes only its search: ``knn_aggregate`` is then derived from it (the
 search under ``no_grad``, then :func:`~extkernels.ops.gather.softmax_gather`), so every
@@ -55,6 +58,7 @@ from .positions import refuse_position_grads, wants_grad
 __all__ = [
     "OPERATIONS",
     "CUDAGRAPH_UNSAFE",
+    "PREFERENCE",
     "Backend",
     "Book",
     "register",
@@ -62,11 +66,19 @@ __all__ = [
     "get",
     "scratch",
     "backends",
+    "by_preference",
     "lookup",
     "check_position_grads",
 ]
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
+
+#: The backends in the order the book advises them, best first (chapter 12's guide
+#: lists its rows of each workload so, :func:`by_preference`): the fused operators,
+#: then those that need no C++ toolchain or that a reader may already use, the earlier
+#: chapters' searches, and the brute force last. A backend not named comes after those
+#: named, in the order of registration.
+PREFERENCE = ("fused", "triton", "cuml", "warp", "cpp", "ptx", "torch")
 
 #: Tags of a custom operator that synchronises with the host or keeps state in Python
 #: between calls: inductor's CUDA graphs (``mode="reduce-overhead"``) partition around
@@ -110,6 +122,11 @@ class Book:
         not_benchmarked: why the benchmark has no variant of it; ``None`` (the
             default) when ``variants`` builds some (a test holds every registered
             backend to one or the other).
+        glossary: what the parts of its variants' names mean (the results page's
+            glossary): part -> words, listed in the order of the chapters.
+        advice: builds its rows of the guide (a list of
+            :class:`extkernels.guide.Advice`) from the module :mod:`extkernels.guide`,
+            which it is given as its one argument; ``None`` (the default) for none.
         methods: its kNN search methods of chapter 14's geometry command: name ->
             options of :func:`extkernels.knn`.
         shipped: the workload (``"knn"`` or ``"radius"``) of its projector that
@@ -120,6 +137,8 @@ class Book:
     toolchain: str = ""
     variants: Callable[[], Sequence] | None = None
     not_benchmarked: str | None = None
+    glossary: Mapping[str, str] = field(default_factory=dict)
+    advice: Callable[[object], Sequence] | None = None
     methods: Mapping[str, Mapping] = field(default_factory=dict)
     shipped: str | None = None
 
@@ -227,6 +246,27 @@ class Backend:
         namespace, name = qualname.split("::")
         return getattr(getattr(torch.ops, namespace), name).default
 
+    def has_autograd(self, op: str) -> bool:
+        """Whether the custom operator of ``op`` has an autograd formula, read from
+        the operator once :attr:`prepare` made it exist. A ``custom_op`` or
+        ``triton_op`` always has a kernel at the dispatcher's Autograd key (one that
+        raises without a formula), so its definition is asked; an operator defined in
+        C++ (``TORCH_LIBRARY``) has an Autograd kernel only once ``register_autograd``
+        gave it one."""
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        qualname = self.operators.get(op)
+        if qualname is None:
+            raise ValueError(
+                f"op: {self.name!r} has custom operators for {sorted(self.operators)}, "
+                f"got {op!r}"
+            )
+        self.prepare()
+        opdef = _maybe_get_opdef(qualname)
+        if opdef is not None:
+            return opdef._backward_fn is not None
+        return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
+
     def runs_on(self, device_type: str) -> bool:
         """Whether it can run on tensors of ``device_type`` on this machine."""
         here = device_type == "cpu" or (
@@ -284,6 +324,12 @@ def backends(op_name: str) -> list[str]:
     return [
         b.name for b in _BACKENDS.values() if b.implements(op_name) and b.runs_here()
     ]
+
+
+def by_preference(backends: Sequence[Backend]) -> list[Backend]:
+    """``backends`` in the book's order of advice (:data:`PREFERENCE`)."""
+    rank = {name: i for i, name in enumerate(PREFERENCE)}
+    return sorted(backends, key=lambda b: rank.get(b.name, len(PREFERENCE)))
 
 
 def lookup(op: str, name: str, device: torch.device) -> Callable:

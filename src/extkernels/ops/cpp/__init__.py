@@ -97,6 +97,9 @@ BACKEND = register(
                     after="knn/fused+graphs+jit",
                 ),
             ],
+            glossary={
+                "cpp": "a grid search in CUDA C++, one thread per query (chapter 9)"
+            },
             methods={"cpp": {}},
             shipped="knn",
         ),

@@ -29,6 +29,7 @@ from .ops import (
 __all__ = [
     "ALGORITHMS",
     "BACKEND",
+    "SEARCHES",
     "auto_choice",
     "available",
     "knn",
@@ -37,6 +38,11 @@ __all__ = [
     "knn_plain",
     "search",
 ]
+
+
+#: cuML's exact searches as the book names them (the guide names the one its operator
+#: runs, :data:`DEFAULT_ALGORITHM`).
+SEARCHES = {"rbc": "random ball cover (RBC)", "brute": "brute force"}
 
 
 def available() -> bool:
@@ -83,6 +89,23 @@ def _variants(v) -> list:
     ]
 
 
+def _advice(g) -> list:
+    """Its row of the guide (chapter 12), built with :mod:`extkernels.guide` (``g``)."""
+    return [
+        g.Advice(
+            "A kNN library you already use (cuML)",
+            f"cuML's exact search, its {SEARCHES[DEFAULT_ALGORITHM]}, as a custom "
+            "operator {registered} (chapter 3); one memory pool (chapter 4)",
+            "knn/cuml-op+compile+rmm",
+            "knn",
+            lambda e: (
+                f"little moved by the cloud: {g.search_range(e, 'cuml')} per "
+                "search at 10⁶ points on every cloud; no CUDA graph can hold it"
+            ),
+        )
+    ]
+
+
 BACKEND = register(
     Backend(
         "cuml",
@@ -96,6 +119,11 @@ BACKEND = register(
             chapter=3,
             toolchain="the RAPIDS wheels (cuML, RMM, CuPy)",
             variants=lambda v: _variants(v),
+            glossary={
+                "cuml": "cuML's NearestNeighbors called from Python (chapter 3)",
+                "cuml-op": "cuML's search registered as a custom operator (chapter 3)",
+            },
+            advice=lambda g: _advice(g),
             methods={"cuml": {}},
             shipped="knn",
         ),

@@ -143,6 +143,35 @@ def _library():
     return build.library_file()
 
 
+def _advice(g) -> list:
+    """Its rows of the guide (chapter 12), built with :mod:`extkernels.guide` (``g``):
+    the tree for kNN, the grid where it falls off its cliff, the radius walk."""
+    return [
+        g.Advice(
+            "kNN in a training loop, any cloud",
+            "the fused operators (chapters 11 and 14), {registered}; the step in one "
+            "CUDA graph",
+            "knn/fused+graphs",
+            "knn_aggregate",
+            g.tree,
+        ),
+        g.Advice(
+            "kNN on clouds known to be blobs",
+            "the fused operators with index='grid' (chapter 11), {registered}",
+            "knn/fused-grid+graphs",
+            "knn_aggregate",
+            lambda e: f"falls off a cliff: {g.worst(e, 'fused-grid')}",
+        ),
+        g.Advice(
+            "Radius neighbourhoods",
+            "the fused warp-per-query walk (chapter 11), {registered}, in one graph",
+            "radius/fused+graphs",
+            "radius_aggregate",
+            lambda e: g.against_book_cloud(e, "fused-radius"),
+        ),
+    ]
+
+
 def _elsewhere(v, workload: str, cloud: str, *, grid: bool = False):
     """The fused projector in one CUDA graph on another cloud (``name@cloud``), or with
     chapter 11's grid instead of the tree (chapter 14)."""
@@ -244,6 +273,13 @@ BACKEND = register(
             chapter=11,
             toolchain=cpp.BACKEND.toolchain,  # chapter 9's
             variants=lambda v: _variants(v),
+            glossary={
+                "fused": "the fused CUDA operators of chapter 11: search, softmax and "
+                "gather in one kernel; for kNN on the tree of chapter 14",
+                "fused-grid": "the fused kNN on chapter 11's grid instead of the tree "
+                "(chapter 14)",
+            },
+            advice=lambda g: _advice(g),
             methods={"fused": {}, "fused-grid": {"index": "grid"}},
             shipped="knn",
         ),

@@ -46,6 +46,10 @@ BACKEND = register(
                 v.compiled("knn/ptx+compile", "ptx", 10),
                 v.Variant("knn/ptx+graphs", "knn", "ptx", chapter=10, graphs=True),
             ],
+            glossary={
+                "ptx": "chapter 9's search with a gather written in PTX through pyptx "
+                "(chapter 10)"
+            },
             shipped="knn",
         ),
     )

@@ -29,6 +29,18 @@ BACKEND = register(
                 v.Variant("radius/torch", "radius", "torch", chapter=5),
                 v.compiled("radius/torch+compile", "torch", 5),
             ],
+            glossary={"torch": "the PyTorch brute force (chapters 1 and 5)"},
+            advice=lambda g: [
+                g.Advice(
+                    "A reference to test against, a prototype",
+                    "the PyTorch brute force, compiled (chapters 1 and 2)",
+                    "knn/torch+compile",
+                    geometry=lambda e: (
+                        "the same work on any cloud; memory grows as N × M (chapter 12)"
+                    ),
+                    reference=True,
+                )
+            ],
             shipped="knn",
         ),
     )

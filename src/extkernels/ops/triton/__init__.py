@@ -57,6 +57,19 @@ BACKEND = register(
                     "knn/triton+reduce-overhead", "triton", 8, mode="reduce-overhead"
                 ),
             ],
+            glossary={"triton": "a grid search written in Triton (chapter 8)"},
+            advice=lambda g: [
+                g.Advice(
+                    "kNN without a C++ toolchain",
+                    "the Triton grid search (chapter 8), a triton_op {registered}",
+                    "knn/triton+reduce-overhead",
+                    "knn_aggregate",
+                    lambda e: (
+                        f"the same cliff, {g.worst(e, 'triton')}; there cuML's "
+                        f"search ({g.search_range(e, 'cuml')} on every cloud) is safer"
+                    ),
+                )
+            ],
             methods={"triton": {}},
             shipped="knn",
         ),

@@ -144,6 +144,23 @@ BACKEND = register(
             chapter=5,
             toolchain="the warp-lang wheel",
             variants=lambda v: _variants(v),
+            glossary={
+                "warp": "NVIDIA Warp's hash grid as a custom operator (chapters 5 "
+                "to 7)",
+                "warp-saved, warp-manual": "Warp's operator handing the normalisers to "
+                "its backward through ctx and building the grid again, or with a "
+                "backward kernel written by hand instead of Warp's adjoint (chapter 6)",
+            },
+            advice=lambda g: [
+                g.Advice(
+                    "Radius neighbourhoods, Warp already in your stack",
+                    "Warp's hash grid as a custom operator {registered} (chapters 5 to "
+                    "7)",
+                    "radius/warp+graphs",
+                    "radius_aggregate",
+                    lambda e: g.slowest_cloud(e, "warp-radius"),
+                )
+            ],
             shipped="radius",
         ),
     )
