@@ -65,9 +65,9 @@ BACKWARDS = ("adjoint", "manual")
 @functools.cache
 def kernels() -> Any:
     """The kernels module, imported (and Warp with it) on the first launch."""
-    from . import kernels as k
+    from . import kernels as module
 
-    return k
+    return module
 
 
 def _threads(n_features: int) -> int:
@@ -244,7 +244,7 @@ def backward(
         alert_not_deterministic(
             f"warp::radius_aggregate ({kind} backward, atomic adds)"
         )
-    k = kernels()
+    kernel_module = kernels()
     m, f = grad_out.shape
     at = where(p_ref.device)
     entry = backward_entry(p_query, p_ref, radius, sigma, at)
@@ -260,7 +260,7 @@ def backward(
         # tensor nobody reads.
         scratch = torch.empty_like(grad_out)
         launch(
-            k.aggregate,
+            kernel_module.aggregate,
             (m, _threads(f)),
             [
                 *common,
@@ -276,7 +276,7 @@ def backward(
         )
     else:
         launch(
-            k.scatter,
+            kernel_module.scatter,
             (m, _threads(f)),
             [*common, *entry.norm_descs, radius, sigma]
             + [descriptor(grad_out), descriptor(grad_feats)],
