@@ -25,6 +25,7 @@ from ..checks import (
     check_contiguous,
     check_index_limit,
     check_same_device,
+    check_tensor,
     values_checked,
 )
 from ..gather import scatter as torch_scatter
@@ -49,12 +50,7 @@ HOPPER = (9, 0)
 
 
 def _check_matrix(name: str, t: object, dtype: torch.dtype, what: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(
-            f"{name}: expected a torch.Tensor {what}, got {type(t).__name__}"
-        )
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    check_tensor(name, t, (dtype,), what)
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"{name}: expected a non-empty {what}, got {tuple(t.shape)}")
     check_contiguous(name, t)
