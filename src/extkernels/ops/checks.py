@@ -219,12 +219,14 @@ def check_k(k: object, n_ref: int) -> int:
 
 
 def check_positive(name: str, value: object) -> float:
-    """A finite, strictly positive real number (``radius``, ``sigma``)."""
+    """A finite, strictly positive real number (``radius``, ``sigma``), by comparisons
+    alone: traced with ``dynamic=True``, a global float is symbolic, which
+    ``math.isfinite`` cannot take (the comparisons guard the compiled graph instead)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name}: expected a positive float, got {type(value).__name__}"
         )
-    if not (math.isfinite(value) and value > 0):
+    if not 0 < value < math.inf:  # NaN fails both
         raise ValueError(f"{name}: expected a finite value > 0, got {value}")
     return float(value)
 
