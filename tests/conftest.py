@@ -26,6 +26,7 @@ def pytest_xdist_auto_num_workers(config):
         return 0
     return os.cpu_count() or 1
 
+
 ROOT = Path(__file__).resolve().parents[1]
 
 N_REF = 500
