@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extkernels import campaign, datafiles
+from extkernels import campaign, datafiles, provenance
 from extkernels.campaign import Job
 
 RECORD = (
@@ -145,12 +145,7 @@ def test_each_file_gets_its_variants_and_the_ones_shown_beside_them(tmp_path):
     parts.mkdir(parents=True)
     names = ["knn/torch", "knn/fused+graphs", "knn/fused+graphs@panda", "knn/cpp+aoti"]
     for i, name in enumerate(names):
-        run = {"variant": name, "workload": "knn", "forward_ms": 1.0 + i}
-        gpu = "NVIDIA H200"
-        run |= {"train_ms": 2.0, "peak_mb": 1.0, "hardware": gpu, "first_call_s": 1.0}
-        meta = {"hardware": gpu, "date": f"2026-01-0{i + 1}", "versions": {}}
-        data = {"meta": meta, "rows": [], "runs": [run]}
-        (parts / f"{datafiles._slug(name)}.json").write_text(json.dumps(data))
+        _write_part(parts, name, "NVIDIA H200", forward_ms=1.0 + i, day=i + 1)
     data = tmp_path / "data"
     data.mkdir()
     missing = datafiles.write_files(tmp_path, data)
@@ -173,23 +168,25 @@ def test_a_variant_belongs_to_the_file_of_its_chapter(name):
     from extkernels import variants as V
 
     expected = "benchmark-clouds-h200.json" if "@" in name else "benchmark-h200.json"
-    assert datafiles.file_of(V.get(name)) == expected
-    other = datafiles.file_of(V.get(name), "NVIDIA H100 80GB HBM3")
+    kind = datafiles.kind_of(V.get(name))
+    assert provenance.data_file(kind) == expected
+    other = provenance.data_file(kind, "NVIDIA H100 80GB HBM3")
     assert other == expected.replace("h200", "h100-80gb-hbm3")
 
 
-def _bench_part(parts, name, gpu):
-    run = {"variant": name, "workload": "knn", "forward_ms": 1.0, "train_ms": 2.0}
-    run |= {"peak_mb": 1.0, "hardware": gpu, "first_call_s": 1.0}
-    meta = {"hardware": gpu, "date": "2026-01-01", "versions": {}}
+def _write_part(parts, name, gpu, forward_ms=1.0, day=1):
+    """A benchmark job's part: one run of ``name`` on ``gpu``."""
+    run = {"variant": name, "workload": "knn", "forward_ms": forward_ms}
+    run |= {"train_ms": 2.0, "peak_mb": 1.0, "hardware": gpu, "first_call_s": 1.0}
+    meta = {"hardware": gpu, "date": f"2026-01-0{day}", "versions": {}}
     data = {"meta": meta, "rows": [], "runs": [run]}
-    (parts / f"{datafiles._slug(name)}.json").write_text(json.dumps(data))
+    (parts / f"{datafiles.part_slug(name)}.json").write_text(json.dumps(data))
 
 
 def test_files_are_named_by_the_gpu_their_runs_came_from(tmp_path):
     parts = tmp_path / "parts" / "bench"
     parts.mkdir(parents=True)
-    _bench_part(parts, "knn/torch", "NVIDIA B200")
+    _write_part(parts, "knn/torch", "NVIDIA B200")
     data = tmp_path / "data"
     data.mkdir()
     datafiles.write_files(tmp_path, data)
@@ -199,8 +196,8 @@ def test_files_are_named_by_the_gpu_their_runs_came_from(tmp_path):
 def test_runs_from_two_gpus_make_no_file(tmp_path):
     parts = tmp_path / "parts" / "bench"
     parts.mkdir(parents=True)
-    _bench_part(parts, "knn/torch", "NVIDIA B200")
-    _bench_part(parts, "knn/fused+graphs", "NVIDIA H200")
+    _write_part(parts, "knn/torch", "NVIDIA B200")
+    _write_part(parts, "knn/fused+graphs", "NVIDIA H200")
     data = tmp_path / "data"
     data.mkdir()
     with pytest.raises(ValueError, match="one GPU.*B200.*H200"):

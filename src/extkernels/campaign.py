@@ -38,7 +38,7 @@ import torch
 
 from . import clouds
 from . import variants as V
-from .datafiles import _bench_part, _slug, write_files
+from .datafiles import bench_part, part_slug, write_files
 from .experiments import geometry
 
 __all__ = ["Job", "plan", "select", "run_jobs", "write_files", "main"]
@@ -96,7 +96,7 @@ def plan(
     chosen = [v for v in V.VARIANTS if v.available()]
     chosen.sort(key=lambda v: -(2 * v.jit + v.package + v.compile + v.graphs))
     for v in chosen:
-        part = _bench_part(v.name)
+        part = bench_part(v.name)
         argv = _py("extkernels.benchmark", "--variants", v.name)
         jobs.append(
             Job(
@@ -252,7 +252,9 @@ def run_jobs(
             env["OMP_NUM_THREADS"] = str(len(cores))
             if job.produces:
                 (out / job.produces).parent.mkdir(parents=True, exist_ok=True)
-            log = open(out / "logs" / f"{_slug(job.name).replace(':', '-')}.log", "w")
+            log = open(
+                out / "logs" / f"{part_slug(job.name).replace(':', '-')}.log", "w"
+            )
             argv = [str(out / a) if a == job.produces else a for a in job.argv]
             proc = subprocess.Popen(
                 argv,

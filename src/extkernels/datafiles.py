@@ -14,7 +14,7 @@ from .distributed import command
 from .provenance import BOOK_HARDWARE, data_file
 from .searches import merge_into
 
-__all__ = ["BESIDE", "file_of", "hardware_of", "kind_of", "write_files"]
+__all__ = ["BESIDE", "bench_part", "hardware_of", "kind_of", "part_slug", "write_files"]
 
 # Variants that a file of another chapter shows beside its own (their runs are copied).
 BESIDE = {
@@ -23,13 +23,14 @@ BESIDE = {
 }
 
 
-def _slug(name: str) -> str:
+def part_slug(name: str) -> str:
+    """A job's or variant's name as part of a file's name."""
     return name.replace("/", "__")
 
 
-def _bench_part(name: str) -> str:
+def bench_part(name: str) -> str:
     """Where a variant's benchmark job writes, relative to ``--out``."""
-    return f"parts/bench/{_slug(name)}.json"
+    return f"parts/bench/{part_slug(name)}.json"
 
 
 def kind_of(variant) -> str:
@@ -38,12 +39,6 @@ def kind_of(variant) -> str:
     return {14: "benchmark-clouds", 15: "benchmark-shipping"}.get(
         variant.chapter, "benchmark"
     )
-
-
-def file_of(variant, hardware: str = BOOK_HARDWARE) -> str:
-    """The data file (in ``book/data``) that holds a benchmark variant's runs measured
-    on ``hardware``."""
-    return data_file(kind_of(variant), hardware)
 
 
 def hardware_of(pieces: list[Path]) -> str:
@@ -73,9 +68,9 @@ def write_files(out: Path, data: Path) -> list[str]:
     written only from parts that exist. Returns the variants whose part is missing."""
     parts = out / "parts"
     found = {
-        v.name: out / _bench_part(v.name)
+        v.name: out / bench_part(v.name)
         for v in V.VARIANTS
-        if (out / _bench_part(v.name)).exists()
+        if (out / bench_part(v.name)).exists()
     }
     missing = [v.name for v in V.VARIANTS if v.available() and v.name not in found]
     files: dict[str, list[Path]] = {}

@@ -187,26 +187,34 @@ def _elsewhere(v, workload: str, cloud: str, *, grid: bool = False):
     )
 
 
-def _variants(v) -> list:
-    """Its variants of the benchmark (chapters 11, 14 and 15), built with
-    :mod:`extkernels.variants` (``v``)."""
-    one_graph = v.IN_ONE_GRAPH
-    knn = [
-        v.Variant("knn/fused", "knn", "fused", chapter=11),
-        v.compiled("knn/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
-        v.Variant("knn/fused+graphs", "knn", "fused", chapter=11, graphs=True),
+def _whole_step(v, workload: str) -> list:
+    """Chapter 11's variants of a workload: eager, ``reduce-overhead``, the step in
+    CUDA graphs, compiled inside them, and that step differentiated with respect to
+    both clouds (chapter 6)."""
+    name, one_graph = f"{workload}/fused", v.IN_ONE_GRAPH
+    return [
+        v.Variant(name, workload, "fused", chapter=11),
+        v.compiled(f"{name}+reduce-overhead", "fused", 11, mode="reduce-overhead"),
+        v.Variant(f"{name}+graphs", workload, "fused", chapter=11, graphs=True),
         v.compiled(
-            "knn/fused+compile+graphs", "fused", 11, graphs=True, inductor=one_graph
+            f"{name}+compile+graphs", "fused", 11, graphs=True, inductor=one_graph
         ),
-        # the same step differentiated with respect to both clouds (chapter 6)
         v.compiled(
-            "knn/fused+compile+graphs+positions",
+            f"{name}+compile+graphs+positions",
             "fused",
             11,
             graphs=True,
             inductor=one_graph,
             positions=True,
         ),
+    ]
+
+
+def _variants(v) -> list:
+    """Its variants of the benchmark (chapters 11, 14 and 15), built with
+    :mod:`extkernels.variants` (``v``)."""
+    knn = [
+        *_whole_step(v, "knn"),
         v.compiled(
             "knn/fused+compile+graphs+inductor-defaults", "fused", 11, graphs=True
         ),
@@ -231,20 +239,7 @@ def _variants(v) -> list:
         v.Variant("knn/fused+aoti", "knn", "fused", chapter=15, package=True),
     ]
     radius = [
-        v.Variant("radius/fused", "radius", "fused", chapter=11),
-        v.compiled("radius/fused+reduce-overhead", "fused", 11, mode="reduce-overhead"),
-        v.Variant("radius/fused+graphs", "radius", "fused", chapter=11, graphs=True),
-        v.compiled(
-            "radius/fused+compile+graphs", "fused", 11, graphs=True, inductor=one_graph
-        ),
-        v.compiled(
-            "radius/fused+compile+graphs+positions",
-            "fused",
-            11,
-            graphs=True,
-            inductor=one_graph,
-            positions=True,
-        ),
+        *_whole_step(v, "radius"),
         v.compiled("radius/fused+compile", "fused", 15),
         v.Variant("radius/fused+aoti", "radius", "fused", chapter=15, package=True),
         _elsewhere(v, "radius", "panda"),
