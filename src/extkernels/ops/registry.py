@@ -33,6 +33,11 @@ that take an operation's arguments, so that the conformance suite
 (``tests/test_backends.py``) runs ``opcheck`` on them: a new backend gets the suite by
 registering.
 
+A batch of clouds (``query_offsets``, ``ref_offsets``: :mod:`~extkernels.ops.batches`)
+reaches a backend's implementation in one call where its record lists the operation in
+``batched``; for any other operation the entry point loops over the clouds, calling the
+single-cloud implementation once per cloud (:func:`~extkernels.ops.batches.per_cloud`).
+
 A backend is one folder, ``ops/<backend>/``, whose ``__init__`` registers it:
 ``extkernels.ops`` imports every such folder it finds, so that adding a backend edits no
 other file.
@@ -165,6 +170,10 @@ class Backend:
             and ``p_ref`` (see :mod:`~extkernels.ops.positions`); a call of any other
             whose clouds require grad is refused at forward time. A derived
             ``knn_aggregate`` is differentiable where ``knn`` is.
+        batched: the operations whose implementation takes a batch of clouds itself
+            (keywords ``query_offsets`` and ``ref_offsets``, indices global); the entry
+            points loop over the clouds for the others. A derived ``knn_aggregate`` is
+            batched where ``knn`` is.
         library: the file of its own compiled operator library (what
             ``torch.ops.load_library`` loads in a process without this package),
             built or found when called; ``None`` when it has none to build.
@@ -185,6 +194,7 @@ class Backend:
     operators: Mapping[str, str] = field(default_factory=dict)
     prepare: Callable[[], object] = _always
     position_grads: tuple[str, ...] = ()
+    batched: tuple[str, ...] = ()
     library: Callable[[], object] | None = None
     libraries: tuple[str, ...] = ()
     python_module: str | None = None
@@ -196,12 +206,16 @@ class Backend:
             if "knn" in self.position_grads:
                 grads = (*self.position_grads, "knn_aggregate")
                 object.__setattr__(self, "position_grads", tuple(dict.fromkeys(grads)))
-        unknown = set(self.position_grads) - set(OPERATIONS)
-        if unknown:
-            raise ValueError(
-                f"position_grads: expected operations among {OPERATIONS}, got "
-                f"{sorted(unknown)}"
-            )
+            if "knn" in self.batched:
+                batched = (*self.batched, "knn_aggregate")
+                object.__setattr__(self, "batched", tuple(dict.fromkeys(batched)))
+        for name in ("position_grads", "batched"):
+            unknown = set(getattr(self, name)) - set(OPERATIONS)
+            if unknown:
+                raise ValueError(
+                    f"{name}: expected operations among {OPERATIONS}, got "
+                    f"{sorted(unknown)}"
+                )
         unknown = set(self.operators) - set(OPERATIONS)
         if unknown:
             raise ValueError(
