@@ -16,6 +16,8 @@ check does (:mod:`~extkernels.ops.checks`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -27,6 +29,9 @@ __all__ = [
     "check_offsets",
     "check_batch",
     "check_clouds_hold",
+    "check_call",
+    "cloud_of",
+    "per_cloud",
 ]
 
 
@@ -168,3 +173,75 @@ def check_clouds_hold(
             f"ref_offsets: expected cloud {b} to hold at least k = {k} reference "
             f"points for its {int(queries[b])} queries, got {int(sizes[b])}"
         )
+
+
+def check_call(
+    query_offsets: object,
+    ref_offsets: object,
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int = 0,
+    *,
+    values: bool = True,
+) -> bool:
+    """The offsets of a call of an entry point: both or neither, on the clouds' device,
+    of as many clouds each (:func:`check_batch`) and, for a search of ``k`` neighbours,
+    every cloud with queries holding ``k`` reference points (:func:`check_clouds_hold`,
+    where ``values``). Returns whether the call is batched."""
+    if query_offsets is None and ref_offsets is None:
+        return False
+    if query_offsets is None or ref_offsets is None:
+        missing = "query_offsets" if query_offsets is None else "ref_offsets"
+        raise ValueError(
+            f"{missing}: expected both query_offsets and ref_offsets, or neither"
+        )
+    check_batch(
+        query_offsets, ref_offsets, p_query.shape[0], p_ref.shape[0], values=values
+    )
+    for name, t in (("query_offsets", query_offsets), ("ref_offsets", ref_offsets)):
+        if t.device != p_query.device:
+            raise ValueError(
+                f"{name}: expected a tensor on {p_query.device} like p_query, got "
+                f"{t.device}"
+            )
+    if k and values:
+        check_clouds_hold(query_offsets, ref_offsets, k)
+    return True
+
+
+def cloud_of(offsets: torch.Tensor, n_points: int) -> torch.Tensor:
+    """``(n_points,)`` int64 cloud of each point; tensor operations only, so that it
+    compiles without reading the offsets on the host."""
+    rows = torch.arange(n_points, device=offsets.device)
+    return torch.searchsorted(offsets, rows, right=True) - 1
+
+
+def per_cloud(op: str, fn: Callable) -> Callable:
+    """A batched ``op`` from its single-cloud implementation ``fn``: one call per cloud
+    with queries, the results concatenated, a search's indices shifted by the cloud's
+    first reference row. A cloud without reference points gives no neighbour: zeros for
+    an aggregation (as for a query without neighbours). Reads the offsets on the host,
+    so it does not compile; gradients flow through the slices and the concatenation."""
+
+    def looped(p_query, p_ref, *args, query_offsets, ref_offsets, **options):
+        q_at, r_at = query_offsets.tolist(), ref_offsets.tolist()
+        parts = []
+        for b in range(len(q_at) - 1):
+            q = p_query[q_at[b] : q_at[b + 1]]
+            r = p_ref[r_at[b] : r_at[b + 1]]
+            if q.shape[0] == 0:
+                continue
+            if op == "knn":
+                d, i = fn(q, r, *args, **options)
+                parts.append((d, i + r_at[b]))
+                continue
+            feats, *rest = args
+            if r.shape[0] == 0:
+                parts.append(feats.new_zeros((q.shape[0], feats.shape[1])))
+                continue
+            parts.append(fn(q, r, feats[r_at[b] : r_at[b + 1]], *rest, **options))
+        if op == "knn":
+            return torch.cat([d for d, _ in parts]), torch.cat([i for _, i in parts])
+        return torch.cat(parts)
+
+    return looped
