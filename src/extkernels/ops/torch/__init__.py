@@ -3,7 +3,8 @@ every other backend is checked against. It has no custom operator: ``torch.compi
 traces it.
 
 Its ``knn_aggregate`` is the registry's derived one (the search, then
-:func:`~extkernels.ops.gather.softmax_gather`), like every kNN backend's.
+:func:`~extkernels.ops.gather.softmax_gather`), like every kNN backend's. It takes a
+batch of clouds natively in every operation (``batched``): one masked brute force.
 
 The lambda of its book record builds its variants of the benchmark from
 :mod:`extkernels.variants`, which it is given (a backend imports nothing above it).
@@ -20,6 +21,7 @@ BACKEND = register(
         knn=knn,
         radius_aggregate=radius_aggregate,
         position_grads=("knn", "radius_aggregate"),
+        batched=("knn", "radius_aggregate"),
         book=Book(
             chapter=1,
             toolchain="PyTorch only",
