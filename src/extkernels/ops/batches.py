@@ -12,6 +12,11 @@ PyG's sorted ``batch`` vector (:func:`offsets_from_batch`). :func:`check_offsets
 number of clouds always (metadata, free while tracing), the values (starting at 0, never
 decreasing, ending at the number of points) in eager mode, as the finite-coordinates
 check does (:mod:`~extkernels.ops.checks`).
+
+The entry points check a call's offsets with :func:`check_call` and, for a backend that
+does not take a batch itself (``Backend.batched``), run its single-cloud implementation
+once per cloud through :func:`per_cloud`; :func:`cloud_of` gives each point its cloud
+by tensor operations, for a backend that does (the torch brute force masks with it).
 """
 
 from __future__ import annotations
