@@ -57,6 +57,7 @@ from .positions import refuse_position_grads, wants_grad
 
 __all__ = [
     "OPERATIONS",
+    "NEIGHBOUR_LISTS",
     "CUDAGRAPH_UNSAFE",
     "PREFERENCE",
     "Backend",
@@ -72,6 +73,10 @@ __all__ = [
 ]
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
+#: Operations beside the projector's, which its benchmark and conformance suite do not
+#: run: neighbour lists for graph layers. A backend may implement them too.
+NEIGHBOUR_LISTS = ("radius_search",)
+_ALL = OPERATIONS + NEIGHBOUR_LISTS
 
 #: The backends in the order the book advises them, best first (chapter 12's guide
 #: lists its rows of each workload so, :func:`by_preference`): the fused operators,
@@ -152,7 +157,8 @@ class Backend:
             ``warp``...).
         devices: device types whose tensors it accepts.
         available: whether its library is installed (a cheap test: no import).
-        knn, knn_aggregate, radius_aggregate: its implementation of each operation,
+        knn, knn_aggregate, radius_aggregate, radius_search: its implementation of
+            each operation (``radius_search`` optional, see :data:`NEIGHBOUR_LISTS`),
             called with checked arguments (see :mod:`~extkernels.ops.checks`) and the
             caller's extra keyword options; ``knn_aggregate`` is derived from ``knn``
             when not given.
@@ -182,6 +188,7 @@ class Backend:
     knn: Callable | None = None
     knn_aggregate: Callable | None = None
     radius_aggregate: Callable | None = None
+    radius_search: Callable | None = None
     operators: Mapping[str, str] = field(default_factory=dict)
     prepare: Callable[[], object] = _always
     position_grads: tuple[str, ...] = ()
@@ -196,16 +203,16 @@ class Backend:
             if "knn" in self.position_grads:
                 grads = (*self.position_grads, "knn_aggregate")
                 object.__setattr__(self, "position_grads", tuple(dict.fromkeys(grads)))
-        unknown = set(self.position_grads) - set(OPERATIONS)
+        unknown = set(self.position_grads) - set(_ALL)
         if unknown:
             raise ValueError(
-                f"position_grads: expected operations among {OPERATIONS}, got "
+                f"position_grads: expected operations among {_ALL}, got "
                 f"{sorted(unknown)}"
             )
-        unknown = set(self.operators) - set(OPERATIONS)
+        unknown = set(self.operators) - set(_ALL)
         if unknown:
             raise ValueError(
-                f"operators: expected keys among {OPERATIONS}, got {sorted(unknown)}"
+                f"operators: expected keys among {_ALL}, got {sorted(unknown)}"
             )
 
     @property
@@ -319,8 +326,8 @@ def scratch(*added: Backend, alone: bool = False) -> Iterator[None]:
 
 def backends(op_name: str) -> list[str]:
     """Names of the backends of ``op_name`` that can run on this machine."""
-    if op_name not in OPERATIONS:
-        raise ValueError(f"op_name: expected one of {OPERATIONS}, got {op_name!r}")
+    if op_name not in _ALL:
+        raise ValueError(f"op_name: expected one of {_ALL}, got {op_name!r}")
     return [
         b.name for b in _BACKENDS.values() if b.implements(op_name) and b.runs_here()
     ]
