@@ -19,10 +19,19 @@ import contextlib
 
 import torch
 
-from .checks import call_checked, check_knn, check_knn_aggregate, check_radius_aggregate
+from .batches import check_batch, check_clouds_hold
+from .checks import (
+    call_checked,
+    check_k,
+    check_knn,
+    check_knn_aggregate,
+    check_radius_aggregate,
+    values_checked,
+)
+from .neighbour_lists import check_radius_search
 from .registry import check_position_grads, lookup
 
-__all__ = ["knn", "knn_aggregate", "radius_aggregate"]
+__all__ = ["knn", "knn_aggregate", "radius_aggregate", "radius_search", "knn_graph"]
 
 
 def knn(
@@ -112,6 +121,112 @@ def radius_aggregate(
     check_position_grads("radius_aggregate", backend, p_query, p_ref)
     with autocast:
         return call_checked(fn, p_query, p_ref, feats, radius, sigma, **options)
+
+
+def radius_search(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    radius: float,
+    *,
+    max_neighbours: int | None = None,
+    query_offsets: torch.Tensor | None = None,
+    ref_offsets: torch.Tensor | None = None,
+    backend: str = "torch",
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every reference point within ``radius`` (inclusive) of each query, sorted by
+    distance within each query, equal distances by the lower reference index.
+    Differentiable in both clouds through the distances (the neighbours held fixed).
+
+    Args:
+        p_query: ``(M, 3)`` float32 (or float64, where the backend takes it) queries.
+        p_ref: ``(N, 3)`` reference points of the same dtype, on the same device;
+            either cloud may be empty.
+        radius: finite, > 0.
+        max_neighbours: ``None`` for every neighbour, or ``K >= 1`` for the ``K``
+            nearest within the radius.
+        query_offsets, ref_offsets: ``(B + 1,)`` int64 offsets of clouds packed along
+            the point axis (:mod:`~extkernels.ops.batches`), both or neither: the
+            queries of cloud ``b`` search cloud ``b`` only; indices stay rows of
+            ``p_ref``.
+
+    Returns:
+        With ``max_neighbours=None``, CSR: ``offsets`` ``(M + 1,)`` int64 (query ``i``'s
+        neighbours are entries ``offsets[i]:offsets[i + 1]``), ``indices`` ``(E,)``
+        int64 rows of ``p_ref`` and ``distances`` ``(E,)`` of the clouds' dtype. ``E``
+        depends on the data: sizing it synchronises with the host once.
+        With ``max_neighbours=K``: ``indices`` ``(M, K)`` int64 and ``distances``
+        ``(M, K)``, nearest first, unused slots holding index -1 and distance +inf, and
+        ``counts`` ``(M,)`` int64, ``min(found, K)``.
+    """
+    radius, max_neighbours = check_radius_search(
+        p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets
+    )
+    fn = lookup("radius_search", backend, p_query.device)
+    check_position_grads("radius_search", backend, p_query, p_ref)
+    return call_checked(
+        fn,
+        p_query,
+        p_ref,
+        radius,
+        max_neighbours,
+        query_offsets,
+        ref_offsets,
+        **options,
+    )
+
+
+def knn_graph(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    *,
+    query_offsets: torch.Tensor | None = None,
+    ref_offsets: torch.Tensor | None = None,
+    backend: str = "torch",
+    **options,
+) -> torch.Tensor:
+    """The kNN graph as an edge list for graph layers: ``(2, M * k)`` int64, row 0 the
+    query (the target, which aggregates), row 1 its neighbour in ``p_ref`` (the
+    source), edges grouped by query, nearest first. That is ``torch_cluster.knn``'s
+    order, PyG's ``knn_graph(..., flow="target_to_source")``; for a layer with PyG's
+    default ``flow="source_to_target"``, use ``edges.flip(0)``.
+
+    With ``query_offsets`` and ``ref_offsets`` (both or neither), the queries of cloud
+    ``b`` take their ``k`` neighbours in cloud ``b``, which must hold ``k``; the
+    indices stay rows of ``p_ref``. The batched form calls :func:`knn` once per cloud
+    (reading the offsets on the host), so it is for eager code. Indices only: no
+    gradient reaches the clouds.
+    """
+    if (query_offsets is None) != (ref_offsets is None):
+        missing = "ref_offsets" if ref_offsets is None else "query_offsets"
+        raise ValueError(f"{missing}: expected offsets too, since the other is given")
+    with torch.no_grad():
+        if query_offsets is None:
+            _, indices = knn(p_query, p_ref, k, backend=backend, **options)
+            rows = torch.arange(p_query.shape[0], device=p_query.device)
+            return torch.stack([rows.repeat_interleave(k), indices.reshape(-1)])
+        check_batch(
+            query_offsets,
+            ref_offsets,
+            p_query.shape[0],
+            p_ref.shape[0],
+            values=values_checked(query_offsets),
+        )
+        k = check_k(k, p_ref.shape[0])
+        check_clouds_hold(query_offsets, ref_offsets, k)
+        edges = [p_query.new_empty(2, 0, dtype=torch.int64)]
+        bounds = zip(query_offsets.tolist(), ref_offsets.tolist(), strict=True)
+        (q0, r0), *rest = bounds
+        for q1, r1 in rest:
+            if q1 > q0:
+                _, found = knn(
+                    p_query[q0:q1], p_ref[r0:r1], k, backend=backend, **options
+                )
+                rows = torch.arange(q0, q1, device=p_query.device).repeat_interleave(k)
+                edges.append(torch.stack([rows, found.reshape(-1) + r0]))
+            q0, r0 = q1, r1
+        return torch.cat(edges, dim=1)
 
 
 def _outside_autocast(feats: torch.Tensor):
