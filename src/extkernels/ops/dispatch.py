@@ -33,9 +33,10 @@ from .checks import (
     check_radius_aggregate,
     values_checked,
 )
+from .neighbour_lists import check_radius_search
 from .registry import check_position_grads, get, lookup, registered
 
-__all__ = ["knn", "knn_aggregate", "radius_aggregate"]
+__all__ = ["knn", "knn_aggregate", "radius_aggregate", "radius_search", "knn_graph"]
 
 
 def knn(
@@ -182,6 +183,93 @@ def _batched(op, backend, fn, clouds, query_offsets, ref_offsets, options, k=0):
             f"batch natively, or call {op} outside torch.compile"
         )
     return batches.per_cloud(op, fn), options
+
+
+def radius_search(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    radius: float,
+    *,
+    max_neighbours: int | None = None,
+    query_offsets: torch.Tensor | None = None,
+    ref_offsets: torch.Tensor | None = None,
+    backend: str = "torch",
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every reference point within ``radius`` (inclusive) of each query, sorted by
+    distance within each query, equal distances by the lower reference index.
+    Differentiable in both clouds through the distances (the neighbours held fixed).
+
+    Args:
+        p_query: ``(M, 3)`` float32 (or float64, where the backend takes it) queries.
+        p_ref: ``(N, 3)`` reference points of the same dtype, on the same device;
+            either cloud may be empty.
+        radius: finite, > 0.
+        max_neighbours: ``None`` for every neighbour, or ``K >= 1`` for the ``K``
+            nearest within the radius.
+        query_offsets, ref_offsets: ``(B + 1,)`` int64 offsets of clouds packed along
+            the point axis (:mod:`~extkernels.ops.batches`), both or neither: the
+            queries of cloud ``b`` search cloud ``b`` only; indices stay rows of
+            ``p_ref``.
+
+    Returns:
+        With ``max_neighbours=None``, CSR: ``offsets`` ``(M + 1,)`` int64 (query ``i``'s
+        neighbours are entries ``offsets[i]:offsets[i + 1]``), ``indices`` ``(E,)``
+        int64 rows of ``p_ref`` and ``distances`` ``(E,)`` of the clouds' dtype. ``E``
+        depends on the data: sizing it synchronises with the host once.
+        With ``max_neighbours=K``: ``indices`` ``(M, K)`` int64 and ``distances``
+        ``(M, K)``, nearest first, unused slots holding index -1 and distance +inf, and
+        ``counts`` ``(M,)`` int64, ``min(found, K)``.
+    """
+    radius, max_neighbours = check_radius_search(
+        p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets
+    )
+    fn = lookup("radius_search", backend, p_query.device)
+    check_position_grads("radius_search", backend, p_query, p_ref)
+    return call_checked(
+        fn,
+        p_query,
+        p_ref,
+        radius,
+        max_neighbours,
+        query_offsets,
+        ref_offsets,
+        **options,
+    )
+
+
+def knn_graph(
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    *,
+    query_offsets: torch.Tensor | None = None,
+    ref_offsets: torch.Tensor | None = None,
+    backend: str = "torch",
+    **options,
+) -> torch.Tensor:
+    """The kNN graph as an edge list for graph layers: ``(2, M * k)`` int64, row 0 the
+    query (the target, which aggregates), row 1 its neighbour in ``p_ref`` (the
+    source), edges grouped by query, nearest first. That is ``torch_cluster.knn``'s
+    order, PyG's ``knn_graph(..., flow="target_to_source")``; for a layer with PyG's
+    default ``flow="source_to_target"``, use ``edges.flip(0)``.
+
+    With ``query_offsets`` and ``ref_offsets`` (both or neither), the queries of cloud
+    ``b`` take their ``k`` neighbours in cloud ``b``, as :func:`knn` finds them; the
+    indices stay rows of ``p_ref``. Indices only: no gradient reaches the clouds.
+    """
+    with torch.no_grad():
+        _, indices = knn(
+            p_query,
+            p_ref,
+            k,
+            query_offsets=query_offsets,
+            ref_offsets=ref_offsets,
+            backend=backend,
+            **options,
+        )
+    rows = torch.arange(p_query.shape[0], device=p_query.device)
+    return torch.stack([rows.repeat_interleave(indices.shape[1]), indices.reshape(-1)])
 
 
 def _outside_autocast(feats: torch.Tensor):

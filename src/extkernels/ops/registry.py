@@ -62,6 +62,7 @@ from .positions import refuse_position_grads, wants_grad
 
 __all__ = [
     "OPERATIONS",
+    "NEIGHBOUR_LISTS",
     "CUDAGRAPH_UNSAFE",
     "PREFERENCE",
     "Backend",
@@ -77,6 +78,10 @@ __all__ = [
 ]
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
+#: Operations beside the projector's, which its benchmark and conformance suite do not
+#: run: neighbour lists for graph layers. A backend may implement them too.
+NEIGHBOUR_LISTS = ("radius_search",)
+_ALL = OPERATIONS + NEIGHBOUR_LISTS
 
 #: The backends in the order the book advises them, best first (chapter 12's guide
 #: lists its rows of each workload so, :func:`by_preference`): the fused operators,
@@ -157,7 +162,8 @@ class Backend:
             ``warp``...).
         devices: device types whose tensors it accepts.
         available: whether its library is installed (a cheap test: no import).
-        knn, knn_aggregate, radius_aggregate: its implementation of each operation,
+        knn, knn_aggregate, radius_aggregate, radius_search: its implementation of
+            each operation (``radius_search`` optional, see :data:`NEIGHBOUR_LISTS`),
             called with checked arguments (see :mod:`~extkernels.ops.checks`) and the
             caller's extra keyword options; ``knn_aggregate`` is derived from ``knn``
             when not given.
@@ -191,6 +197,7 @@ class Backend:
     knn: Callable | None = None
     knn_aggregate: Callable | None = None
     radius_aggregate: Callable | None = None
+    radius_search: Callable | None = None
     operators: Mapping[str, str] = field(default_factory=dict)
     prepare: Callable[[], object] = _always
     position_grads: tuple[str, ...] = ()
@@ -209,17 +216,22 @@ class Backend:
             if "knn" in self.batched:
                 batched = (*self.batched, "knn_aggregate")
                 object.__setattr__(self, "batched", tuple(dict.fromkeys(batched)))
-        for name in ("position_grads", "batched"):
-            unknown = set(getattr(self, name)) - set(OPERATIONS)
-            if unknown:
-                raise ValueError(
-                    f"{name}: expected operations among {OPERATIONS}, got "
-                    f"{sorted(unknown)}"
-                )
-        unknown = set(self.operators) - set(OPERATIONS)
+        unknown = set(self.batched) - set(OPERATIONS)
         if unknown:
             raise ValueError(
-                f"operators: expected keys among {OPERATIONS}, got {sorted(unknown)}"
+                f"batched: expected operations among {OPERATIONS}, got "
+                f"{sorted(unknown)}"
+            )
+        unknown = set(self.position_grads) - set(_ALL)
+        if unknown:
+            raise ValueError(
+                f"position_grads: expected operations among {_ALL}, got "
+                f"{sorted(unknown)}"
+            )
+        unknown = set(self.operators) - set(_ALL)
+        if unknown:
+            raise ValueError(
+                f"operators: expected keys among {_ALL}, got {sorted(unknown)}"
             )
 
     @property
@@ -333,8 +345,8 @@ def scratch(*added: Backend, alone: bool = False) -> Iterator[None]:
 
 def backends(op_name: str) -> list[str]:
     """Names of the backends of ``op_name`` that can run on this machine."""
-    if op_name not in OPERATIONS:
-        raise ValueError(f"op_name: expected one of {OPERATIONS}, got {op_name!r}")
+    if op_name not in _ALL:
+        raise ValueError(f"op_name: expected one of {_ALL}, got {op_name!r}")
     return [
         b.name for b in _BACKENDS.values() if b.implements(op_name) and b.runs_here()
     ]
