@@ -1,0 +1,170 @@
+"""Batches of clouds of different sizes, for the batched operators: the clouds
+concatenated along the point axis, cloud ``b``'s points at rows
+``offsets[b]:offsets[b + 1]`` of an ``(N, 3)`` tensor, with ``offsets`` an int64
+``(B + 1,)`` tensor starting at 0 and ending at ``N``. It is PyTorch Geometric's layout
+with the ``batch`` vector replaced by its offsets, so a kernel finds a cloud's points
+without a search.
+
+The converters take the two layouts the libraries use: PyTorch3D's padded ``(B, P, 3)``
+tensors with ``lengths`` (:func:`pack_padded`, and back with :func:`pad_packed`) and
+PyG's sorted ``batch`` vector (:func:`offsets_from_batch`). :func:`check_offsets` and
+:func:`check_batch` are the checks every batched entry point runs: the dtype, shape and
+number of clouds always (metadata, free while tracing), the values (starting at 0, never
+decreasing, ending at the number of points) in eager mode, as the finite-coordinates
+check does (:mod:`~extkernels.ops.checks`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+__all__ = [
+    "offsets_from_lengths",
+    "offsets_from_batch",
+    "pack_padded",
+    "pad_packed",
+    "check_offsets",
+    "check_batch",
+    "check_clouds_hold",
+]
+
+
+def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """``(B + 1,)`` int64 offsets of clouds of ``lengths`` points each (``(B,)``)."""
+    if lengths.dim() != 1:
+        raise ValueError(
+            f"lengths: expected a 1-D tensor, got shape {tuple(lengths.shape)}"
+        )
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths: expected an integer tensor, got {lengths.dtype}")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError("lengths: expected no negative length")
+    zero = lengths.new_zeros(1, dtype=torch.int64)
+    return torch.cat([zero, lengths.to(torch.int64).cumsum(0)])
+
+
+def offsets_from_batch(
+    batch: torch.Tensor, num_clouds: int | None = None
+) -> torch.Tensor:
+    """Offsets from PyG's ``batch`` vector (``(N,)``, cloud of each point, sorted):
+    ``num_clouds`` clouds (default: the largest index plus one; trailing empty clouds
+    need it given)."""
+    if batch.dim() != 1 or batch.dtype != torch.int64:
+        raise TypeError(
+            f"batch: expected a 1-D int64 tensor, got {batch.dtype} of shape "
+            f"{tuple(batch.shape)}"
+        )
+    if batch.numel() > 1 and bool((batch[1:] < batch[:-1]).any()):
+        raise ValueError("batch: expected the points sorted by cloud (non-decreasing)")
+    if batch.numel() and int(batch[0]) < 0:
+        raise ValueError("batch: expected cloud indices >= 0")
+    largest = int(batch[-1]) + 1 if batch.numel() else 0
+    n = largest if num_clouds is None else num_clouds
+    if n < largest:
+        raise ValueError(f"num_clouds: expected at least {largest}, got {n}")
+    return offsets_from_lengths(torch.bincount(batch, minlength=n))
+
+
+def pack_padded(
+    points: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch3D's padded ``(B, P, D)`` clouds with ``lengths`` ``(B,)`` as the packed
+    ``(sum(lengths), D)`` points and their offsets."""
+    if points.dim() != 3:
+        raise ValueError(f"points: expected (B, P, D), got shape {tuple(points.shape)}")
+    if lengths.shape != points.shape[:1]:
+        raise ValueError(
+            f"lengths: expected shape ({points.shape[0]},), one per cloud, got "
+            f"{tuple(lengths.shape)}"
+        )
+    offsets = offsets_from_lengths(lengths)
+    if lengths.numel() and int(lengths.max()) > points.shape[1]:
+        raise ValueError(
+            f"lengths: expected at most {points.shape[1]} points per cloud (the "
+            f"padded size), got {int(lengths.max())}"
+        )
+    keep = torch.arange(points.shape[1], device=points.device) < lengths[:, None]
+    return points[keep].contiguous(), offsets
+
+
+def pad_packed(
+    points: torch.Tensor, offsets: torch.Tensor, fill: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_padded`: ``(B, P, D)`` clouds padded with ``fill`` to
+    the largest cloud, and their ``lengths``."""
+    check_offsets("offsets", offsets, points.shape[0])
+    lengths = offsets.diff()
+    b, p = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+    out = points.new_full((b, p, *points.shape[1:]), fill)
+    keep = torch.arange(p, device=points.device) < lengths[:, None]
+    out[keep] = points
+    return out, lengths
+
+
+def check_offsets(
+    name: str, offsets: object, n_points: int, *, values: bool = True
+) -> int:
+    """That ``offsets`` are the offsets of clouds packed into ``n_points`` points;
+    returns the number of clouds. The values are checked where ``values`` is true and
+    the tensor is real (not while tracing)."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(
+            f"{name}: expected a torch.Tensor, got {type(offsets).__name__}"
+        )
+    if offsets.dtype != torch.int64:
+        raise TypeError(f"{name}: expected int64 offsets, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.shape[0] < 1:
+        raise ValueError(
+            f"{name}: expected shape (B + 1,) with B >= 0 clouds, got "
+            f"{tuple(offsets.shape)}"
+        )
+    if values and not is_fake(offsets) and not torch.compiler.is_compiling():
+        first, last = int(offsets[0]), int(offsets[-1])
+        if first != 0:
+            raise ValueError(f"{name}: expected offsets starting at 0, got {first}")
+        if bool((offsets.diff() < 0).any()):
+            raise ValueError(f"{name}: expected non-decreasing offsets")
+        if last != n_points:
+            raise ValueError(
+                f"{name}: expected the last offset to be the number of points, "
+                f"{n_points}, got {last}"
+            )
+    return offsets.shape[0] - 1
+
+
+def check_batch(
+    query_offsets: object,
+    ref_offsets: object,
+    n_query: int,
+    n_ref: int,
+    *,
+    values: bool = True,
+) -> int:
+    """Both offsets checked (:func:`check_offsets`), with as many clouds of queries as
+    of references (the queries of cloud ``b`` search cloud ``b``); returns ``B``."""
+    b_query = check_offsets("query_offsets", query_offsets, n_query, values=values)
+    b_ref = check_offsets("ref_offsets", ref_offsets, n_ref, values=values)
+    if b_query != b_ref:
+        raise ValueError(
+            f"query_offsets, ref_offsets: expected as many clouds of queries as of "
+            f"reference points, got {b_query} and {b_ref}"
+        )
+    return b_query
+
+
+def check_clouds_hold(
+    query_offsets: torch.Tensor, ref_offsets: torch.Tensor, k: int
+) -> None:
+    """That every cloud with queries holds at least ``k`` reference points (eager
+    only); the error names the first cloud that does not."""
+    if is_fake(ref_offsets) or torch.compiler.is_compiling():
+        return
+    sizes, queries = ref_offsets.diff(), query_offsets.diff()
+    short = ((sizes < k) & (queries > 0)).nonzero()
+    if short.numel():
+        b = int(short[0, 0])
+        raise ValueError(
+            f"ref_offsets: expected cloud {b} to hold at least k = {k} reference "
+            f"points for its {int(queries[b])} queries, got {int(sizes[b])}"
+        )
