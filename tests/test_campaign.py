@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extkernels import campaign
+from extkernels import campaign, datafiles
 from extkernels.campaign import Job
 
 RECORD = (
@@ -146,13 +146,14 @@ def test_each_file_gets_its_variants_and_the_ones_shown_beside_them(tmp_path):
     names = ["knn/torch", "knn/fused+graphs", "knn/fused+graphs@panda", "knn/cpp+aoti"]
     for i, name in enumerate(names):
         run = {"variant": name, "workload": "knn", "forward_ms": 1.0 + i}
-        run |= {"train_ms": 2.0, "peak_mb": 1.0, "hardware": "H", "first_call_s": 1.0}
-        meta = {"hardware": "H", "date": f"2026-01-0{i + 1}", "versions": {}}
+        gpu = "NVIDIA H200"
+        run |= {"train_ms": 2.0, "peak_mb": 1.0, "hardware": gpu, "first_call_s": 1.0}
+        meta = {"hardware": gpu, "date": f"2026-01-0{i + 1}", "versions": {}}
         data = {"meta": meta, "rows": [], "runs": [run]}
-        (parts / f"{campaign._slug(name)}.json").write_text(json.dumps(data))
+        (parts / f"{datafiles._slug(name)}.json").write_text(json.dumps(data))
     data = tmp_path / "data"
     data.mkdir()
-    missing = campaign.write_files(tmp_path, data)
+    missing = datafiles.write_files(tmp_path, data)
     held = {
         f.name: sorted({r["variant"] for r in json.loads(f.read_text())["runs"]})
         for f in data.glob("*.json")
@@ -172,7 +173,39 @@ def test_a_variant_belongs_to_the_file_of_its_chapter(name):
     from extkernels import variants as V
 
     expected = "benchmark-clouds-h200.json" if "@" in name else "benchmark-h200.json"
-    assert campaign.file_of(V.get(name)) == expected
+    assert datafiles.file_of(V.get(name)) == expected
+    other = datafiles.file_of(V.get(name), "NVIDIA H100 80GB HBM3")
+    assert other == expected.replace("h200", "h100-80gb-hbm3")
+
+
+def _bench_part(parts, name, gpu):
+    run = {"variant": name, "workload": "knn", "forward_ms": 1.0, "train_ms": 2.0}
+    run |= {"peak_mb": 1.0, "hardware": gpu, "first_call_s": 1.0}
+    meta = {"hardware": gpu, "date": "2026-01-01", "versions": {}}
+    data = {"meta": meta, "rows": [], "runs": [run]}
+    (parts / f"{datafiles._slug(name)}.json").write_text(json.dumps(data))
+
+
+def test_files_are_named_by_the_gpu_their_runs_came_from(tmp_path):
+    parts = tmp_path / "parts" / "bench"
+    parts.mkdir(parents=True)
+    _bench_part(parts, "knn/torch", "NVIDIA B200")
+    data = tmp_path / "data"
+    data.mkdir()
+    datafiles.write_files(tmp_path, data)
+    assert [f.name for f in data.glob("*.json")] == ["benchmark-b200.json"]
+
+
+def test_runs_from_two_gpus_make_no_file(tmp_path):
+    parts = tmp_path / "parts" / "bench"
+    parts.mkdir(parents=True)
+    _bench_part(parts, "knn/torch", "NVIDIA B200")
+    _bench_part(parts, "knn/fused+graphs", "NVIDIA H200")
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(ValueError, match="one GPU.*B200.*H200"):
+        datafiles.write_files(tmp_path, data)
+    assert not list(data.glob("*.json"))
 
 
 def test_the_longest_page_starts_first_and_the_others_keep_their_order():

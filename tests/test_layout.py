@@ -20,6 +20,7 @@ MAX_LINES = 400
 EXPERIMENTS = (
     "extkernels.benchmark",
     "extkernels.campaign",  # runs the benchmark, the other commands and the chapters
+    "extkernels.datafiles",  # the campaign's data files, from the benchmark's runs
     "extkernels.experiments",
     "extkernels.distributed.report",  # chapter 13's tables, from chapter 12's crossover
 )

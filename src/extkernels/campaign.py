@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from . import benchmark, clouds
+from . import clouds
 from . import variants as V
-from .distributed import command
+from .datafiles import _bench_part, _slug, write_files
 from .experiments import geometry
 
 __all__ = ["Job", "plan", "select", "run_jobs", "write_files", "main"]
@@ -54,11 +54,6 @@ DISTRIBUTED_SIZES = "100000,1000000,2000000,4000000,10000000,20000000,40000000"
 MULTI_GPU_CHAPTERS = ("13_distributed",)
 # The longest pages to execute start first, so that no lane ends the campaign alone.
 LONGEST_PAGES = ("15_shipping",)
-# Variants that a file of another chapter shows beside its own (their runs are copied).
-BESIDE = {
-    "benchmark-clouds-h200.json": ["knn/fused+graphs", "radius/fused+graphs"],
-    "benchmark-shipping-h200.json": ["knn/fused+graphs", "knn/cpp+compile"],
-}
 
 
 @dataclass
@@ -80,24 +75,8 @@ class Job:
     produces: str | None = None
 
 
-def _slug(name: str) -> str:
-    return name.replace("/", "__")
-
-
-def _bench_part(name: str) -> str:
-    """Where a variant's benchmark job writes, relative to ``--out``."""
-    return f"parts/bench/{_slug(name)}.json"
-
-
 def _py(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
-
-
-def file_of(variant) -> str:
-    """The data file (in ``book/data``) that holds a benchmark variant's runs."""
-    return {14: "benchmark-clouds-h200.json", 15: "benchmark-shipping-h200.json"}.get(
-        variant.chapter, "benchmark-h200.json"
-    )
 
 
 def plan(
@@ -291,41 +270,6 @@ def run_jobs(
             pending.remove(job)
         time.sleep(poll)
     return status
-
-
-def write_files(out: Path, data: Path) -> list[str]:
-    """The book's data files (in ``data``) from the campaign's parts: the benchmark's
-    three files (each variant's runs in the file of its chapter, and copied where
-    :data:`BESIDE` shows it), the geometry file and the distributed file. A file is
-    written only from parts that exist. Returns the variants whose part is missing."""
-    parts = out / "parts"
-    found = {
-        v.name: out / _bench_part(v.name)
-        for v in V.VARIANTS
-        if (out / _bench_part(v.name)).exists()
-    }
-    missing = [v.name for v in V.VARIANTS if v.available() and v.name not in found]
-    files: dict[str, list[Path]] = {}
-    for v in V.VARIANTS:
-        if v.name in found:
-            files.setdefault(file_of(v), []).append(found[v.name])
-    for name, extra in BESIDE.items():
-        if name in files:
-            files[name] += [found[n] for n in extra if n in found]
-    for name, paths in files.items():
-        meta, df = benchmark.merge([str(p) for p in paths])
-        benchmark.write(str(data / name), df, meta)
-    pieces = sorted((parts / "geometry").glob("*.json"))
-    if pieces:
-        target = data / "geometry-h200.json"
-        target.unlink(missing_ok=True)
-        for piece in pieces:
-            geometry.merge_into(str(target), json.loads(piece.read_text()))
-    pieces = sorted((parts / "distributed").glob("*.json"))
-    if pieces:
-        merged = command.merge([str(p) for p in pieces])
-        (data / "distributed-h200.json").write_text(json.dumps(merged, indent=1))
-    return missing
 
 
 def _lanes(gpus: str | None) -> list[str]:

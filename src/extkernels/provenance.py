@@ -7,13 +7,37 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-__all__ = ["versions"]
+__all__ = ["BOOK_HARDWARE", "data_file", "hardware_slug", "versions"]
+
+#: The GPU behind the book's stored data files (the ``hardware`` of their run cards).
+BOOK_HARDWARE = "NVIDIA H200"
+
+
+def hardware_slug(hardware: str) -> str:
+    """The part of a data file's name that says where it ran: a run card's ``hardware``
+    (``torch.cuda.get_device_name()``, or the CPU's name) in lower case, the vendor's
+    name dropped, every run of other characters a hyphen: ``"NVIDIA H200"`` gives
+    ``"h200"``, ``"NVIDIA H100 80GB HBM3"`` gives ``"h100-80gb-hbm3"``."""
+    name = re.sub(r"^(nvidia|amd|intel)\b", "", hardware.strip().lower())
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    if not slug:
+        raise ValueError(f"hardware: expected a device's name, got {hardware!r}")
+    return slug
+
+
+def data_file(kind: str, hardware: str = BOOK_HARDWARE) -> str:
+    """The name of a command's data file of ``kind`` (``"benchmark"``,
+    ``"benchmark-clouds"``, ``"geometry"``, ...) measured on ``hardware``: what the
+    commands write on a machine and the pages read (``benchmark-h200.json``)."""
+    return f"{kind}-{hardware_slug(hardware)}.json"
+
 
 # (label, distribution names to try): the CUDA 12 and CUDA 13 builds have different
 # names.

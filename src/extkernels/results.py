@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import clouds
+from .provenance import data_file
 from .reference import anchor_figures, not_like_for_like
 from .timing import summary
 
@@ -54,13 +55,14 @@ def load(path: str | Path) -> tuple[dict, pd.DataFrame]:
     return data["meta"], df
 
 
-# The benchmark command's H200 results, relative to book/ (chapters run there)
-BENCHMARK = "data/benchmark-h200.json"
+# The benchmark command's results on the book's GPU, relative to book/ (chapters run
+# there)
+BENCHMARK = f"data/{data_file('benchmark')}"
 
 # The benchmark command's runs of chapter 15's variants (a first call that builds the
 # libraries just in time, packaged projectors beside compiled ones), in a run of their
 # own
-SHIPPING = "data/benchmark-shipping-h200.json"
+SHIPPING = f"data/{data_file('benchmark-shipping')}"
 
 
 def recorded(names: list[str], path: str | Path = BENCHMARK) -> pd.DataFrame:
