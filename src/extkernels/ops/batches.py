@@ -1,5 +1,5 @@
-"""Batches of clouds of different sizes, for the batched operators: the clouds
-concatenated along the point axis, cloud ``b``'s points at rows
+"""Batches of clouds of different sizes, for the batched operators (chapter 16): the
+clouds concatenated along the point axis, cloud ``b``'s points at rows
 ``offsets[b]:offsets[b + 1]`` of an ``(N, 3)`` tensor, with ``offsets`` an int64
 ``(B + 1,)`` tensor starting at 0 and ending at ``N``. It is PyTorch Geometric's layout
 with the ``batch`` vector replaced by its offsets, so a kernel finds a cloud's points
