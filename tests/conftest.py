@@ -18,6 +18,15 @@ if not torch.cuda.is_available():
 
 import extkernels  # noqa: E402
 
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's options): a worker per core without a GPU; on a GPU
+    machine one process, so that no two tests share the GPU (memory, graphs)."""
+    if torch.cuda.is_available():
+        return 0
+    return os.cpu_count() or 1
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 N_REF = 500

@@ -50,6 +50,7 @@ CHECK = textwrap.dedent(
             opcheck(backend.operator(op), args[op])
             report[qualname] = close(got, want)
     report["prebuilt"] = str(cpp_build.prebuilt_path)
+    report["package"] = os.path.dirname(extkernels.__file__)
     report["built"] = sorted(os.listdir(os.environ["TORCH_EXTENSIONS_DIR"]))
     print(json.dumps(report))
     """
@@ -78,16 +79,24 @@ def test_the_wheel_serves_both_libraries_in_a_fresh_environment(wheel, tmp_path)
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", str(venv))
     python = str(venv / "bin" / "python")
-    pip = (python, "-m", "pip", "install", "-q")
-    # this PyTorch (from pip's cache), the package's own dependencies, the package
-    _run(*pip, f"torch=={torch.__version__}", "numpy", "pandas", "matplotlib")
-    _run(*pip, "--no-deps", str(ROOT), str(wheel))
+    # This PyTorch and the package's dependencies come from the running environment:
+    # a .pth puts its site-packages after the new one's (its own .pth files, an
+    # editable install of the package among them, are not read), so the package and the
+    # libraries are the ones installed here.
+    purelib = _run(
+        python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    ).stdout.strip()
+    borrowed = os.path.dirname(os.path.dirname(torch.__file__))
+    with open(os.path.join(purelib, "borrowed.pth"), "w") as pth:
+        pth.write(borrowed + "\n")
+    _run(python, "-m", "pip", "install", "-q", "--no-deps", str(ROOT), str(wheel))
     cache = tmp_path / "extensions"
     cache.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TORCH_EXTENSIONS_DIR"] = str(cache)
     out = _run(python, "-c", CHECK, cwd=tmp_path, env=env).stdout
     report = json.loads(out.splitlines()[-1])
+    assert report.pop("package").startswith(purelib), "not the installed package"
     assert report.pop("built") == [], "a library was built just in time"
     assert "extkernels_native" in report.pop("prebuilt")
     assert report and all(report.values()), report

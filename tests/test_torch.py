@@ -107,3 +107,20 @@ def test_turning_value_checks_off_does_not_recompile_a_compiled_projector():
         with value_checks(False):
             compiled(p_query, p_ref)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+RADIUS, SIGMA = 0.3, 0.1  # module globals: traced as symbolic floats with dynamic=True
+
+
+def test_global_radius_and_sigma_compile_with_dynamic_shapes():
+    def both(q, r, x):
+        return (
+            extkernels.radius_aggregate(q, r, x, RADIUS, SIGMA),
+            extkernels.knn_aggregate(q, r, x, 4, SIGMA),
+        )
+
+    g = torch.Generator().manual_seed(0)
+    q, r, x = (torch.randn(n, d, generator=g) for n, d in [(50, 3), (80, 3), (80, 4)])
+    compiled = torch.compile(both, fullgraph=True, dynamic=True)
+    for got, want in zip(compiled(q, r, x), both(q, r, x), strict=True):
+        torch.testing.assert_close(got, want)

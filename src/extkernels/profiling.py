@@ -25,6 +25,8 @@ __all__ = [
     "timeline",
     "gpu_busy_fraction",
     "kernels_per_iteration",
+    "compiler_count",
+    "reset_compiler",
 ]
 
 
@@ -120,6 +122,18 @@ def graphs_and_breaks(fn, *args) -> tuple[int, int]:
     them (PyTorch's diagnostic for graph breaks)."""
     explanation = torch._dynamo.explain(fn)(*args)
     return explanation.graph_count, explanation.graph_break_count
+
+
+def compiler_count(group: str, name: str) -> int:
+    """``torch._dynamo``'s counter ``name`` of ``group`` (``"stats"``: compiled graphs,
+    ``"inductor"``: CUDA graph skips, ...), since the last :func:`reset_compiler`."""
+    return int(torch._dynamo.utils.counters[group][name])
+
+
+def reset_compiler() -> None:
+    """Forget every compiled graph and zero ``torch._dynamo``'s counters."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
 
 def break_reasons(fn, *args, lines: int = 4, width: int = 88) -> list[str]:

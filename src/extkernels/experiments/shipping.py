@@ -35,6 +35,7 @@ from ..models import KnnAggregation, Projector, RadiusAggregation
 from ..ops import backends, registry
 from ..packaging import Packaged, just_in_time, package
 from ..problem import Problem
+from ..profiling import compiler_count
 from ..timing import time_blocks
 
 __all__ = [
@@ -294,13 +295,12 @@ def graph_table(calls: dict[str, Callable[[], object]], n_iters: int) -> pd.Data
     skips, over its first three calls), and its milliseconds per call in this process
     (:func:`~extkernels.timing.time_blocks`: median, fastest and slowest of five
     blocks of ``n_iters`` calls)."""
-    skips = torch._dynamo.utils.counters["inductor"]
     rows = {}
     for name, call in calls.items():
-        before = skips["cudagraph_skips"]
+        before = compiler_count("inductor", "cudagraph_skips")
         for _ in range(3):  # compile, record, replay
             call()
-        skipped = skips["cudagraph_skips"] > before
+        skipped = compiler_count("inductor", "cudagraph_skips") > before
         ms, lo, hi = time_blocks(call, n_iters)
         rows[name] = {
             "CUDA graph": "skipped" if skipped else "replayed",

@@ -14,6 +14,7 @@ import torch
 from triton.testing import do_bench
 
 from ..ops.triton import ops
+from ..profiling import compiler_count, reset_compiler
 
 __all__ = [
     "timing_quotes",
@@ -44,14 +45,11 @@ def cudagraph_skips(fn: Callable, *args, calls: int = 3) -> int:
     """How many times inductor skipped CUDA graphs while compiling ``fn`` with
     ``mode="reduce-overhead"`` and calling it ``calls`` times (0: every call replays a
     graph)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
+    reset_compiler()
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
     for _ in range(calls):
         compiled(*args)
-    return int(counters["inductor"]["cudagraph_skips"])
+    return compiler_count("inductor", "cudagraph_skips")
 
 
 def autotune_times(p_query, p_ref, k: int, best, compiled: Callable) -> pd.Series:

@@ -31,6 +31,7 @@ import torch
 
 from ..ops.torch.brute_force import radius_aggregate as brute_force
 from ..ops.warp import kernels as book_kernels
+from ..ops.warp.grids import CUDA_GRID_DIM
 from ..ops.warp.interop import warp
 from ..timing import time_blocks
 
@@ -46,9 +47,6 @@ __all__ = [
 ]
 
 wp = warp()
-
-#: Cells of the hash grid along each axis on a GPU (hashed: a cloud of any extent fits).
-GRID_DIM = 128
 
 
 @wp.kernel(enable_backward=False)
@@ -160,7 +158,7 @@ def steps(device: torch.device) -> dict[str, Callable]:
     name chapter 5 gives them, sharing one hash grid on ``device``."""
     if device.type == "cuda" and device.index is None:  # Warp needs the ordinal
         device = torch.device("cuda", torch.cuda.current_device())
-    dims = (GRID_DIM,) * 3 if device.type == "cuda" else (32, 32, 32)
+    dims = (CUDA_GRID_DIM,) * 3 if device.type == "cuda" else (32, 32, 32)
     grid = wp.HashGrid(*dims, device=wp.device_from_torch(device))
     kernels = {
         "hash grid": grid_sum,

@@ -28,7 +28,7 @@ from ..models import KnnAggregation, Projector, RadiusAggregation
 from ..ops import knn, knn_aggregate
 from ..ops.checks import value_checks
 from ..problem import Problem
-from ..profiling import profile, runtime_calls
+from ..profiling import compiler_count, profile, reset_compiler, runtime_calls
 from ..timing import first_call_seconds, time_blocks, time_fn
 
 __all__ = [
@@ -307,10 +307,8 @@ def changing_shapes(
             "exact": bool(exact),
         }
 
-    counters = torch._dynamo.utils.counters
     for strategy in ("compiled", "compiled, mark_dynamic"):
-        torch._dynamo.reset()
-        counters.clear()
+        reset_compiler()
         compiled = torch.compile(model, fullgraph=True)
 
         def forward(cloud, compiled=compiled):
@@ -326,7 +324,7 @@ def changing_shapes(
                 call,
                 n,
                 lambda cloud=cloud: forward(cloud),
-                lambda: counters["stats"]["unique_graphs"],
+                lambda: compiler_count("stats", "unique_graphs"),
             )
     graphs: dict[int, CapturedStep] = {}
     for call, n in enumerate(sizes, 1):

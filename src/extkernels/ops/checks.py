@@ -47,6 +47,7 @@ __all__ = [
     "check_radius_aggregate",
     "check_grad_out",
     "check_buffer",
+    "check_tensor",
     "check_cloud",
     "check_feats",
     "check_k",
@@ -142,16 +143,20 @@ def call_checked(fn: Callable[..., T], *args, **kwargs) -> T:
 # --------------------------------------------------------- one argument at a time
 
 
+def check_tensor(name: str, t: object, dtypes: tuple, what: str = "") -> None:
+    """A tensor of one of ``dtypes``; ``what`` describes it in the message (``"of
+    shape (n, 3)"``)."""
+    if not isinstance(t, torch.Tensor):
+        kind = f"a torch.Tensor {what}" if what else "a torch.Tensor"
+        raise TypeError(f"{name}: expected {kind}, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+
+
 def check_cloud(name: str, points: object, *, dtypes=(torch.float32,)) -> torch.Tensor:
     """Metadata of a point cloud: a contiguous, non-empty ``(n, 3)`` float32 tensor."""
-    if not isinstance(points, torch.Tensor):
-        raise TypeError(
-            f"{name}: expected a torch.Tensor of shape (n, 3), got "
-            f"{type(points).__name__}"
-        )
-    if points.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {want}, got {points.dtype}")
+    check_tensor(name, points, dtypes, "of shape (n, 3)")
     if points.dim() != 2 or points.shape[1] != 3:
         raise ValueError(f"{name}: expected shape (n, 3), got {tuple(points.shape)}")
     if points.shape[0] == 0:
@@ -177,14 +182,7 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
 def check_feats(feats: object, n_ref: int, *, dtypes=(torch.float32,)) -> torch.Tensor:
     """Per-reference-point features: a contiguous ``(n_ref, F)`` float32 tensor, ``F >=
     1``."""
-    if not isinstance(feats, torch.Tensor):
-        raise TypeError(
-            "feats: expected a torch.Tensor of shape (n_ref, F), got "
-            f"{type(feats).__name__}"
-        )
-    if feats.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"feats: expected dtype {want}, got {feats.dtype}")
+    check_tensor("feats", feats, dtypes, "of shape (n_ref, F)")
     if feats.dim() != 2 or feats.shape[1] == 0:
         raise ValueError(
             f"feats: expected shape (n_ref, F) with F >= 1, got {tuple(feats.shape)}"
@@ -221,12 +219,14 @@ def check_k(k: object, n_ref: int) -> int:
 
 
 def check_positive(name: str, value: object) -> float:
-    """A finite, strictly positive real number (``radius``, ``sigma``)."""
+    """A finite, strictly positive real number (``radius``, ``sigma``), by comparisons
+    alone: traced with ``dynamic=True``, a global float is symbolic, which
+    ``math.isfinite`` cannot take (the comparisons guard the compiled graph instead)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name}: expected a positive float, got {type(value).__name__}"
         )
-    if not (math.isfinite(value) and value > 0):
+    if not 0 < value < math.inf:  # NaN fails both
         raise ValueError(f"{name}: expected a finite value > 0, got {value}")
     return float(value)
 
@@ -349,10 +349,7 @@ def check_buffer(
     """A tensor an operator reads or writes whole (an incoming gradient, an output
     buffer): ``dtype``, ``shape`` (``what`` names its sizes), contiguous, on the device
     of the clouds."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    check_tensor(name, t, (dtype,))
     if tuple(t.shape) != tuple(shape):
         raise ValueError(
             f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["scatter", "softmax_gather"]
+__all__ = ["gather", "gather_weights_grad", "scatter", "softmax_gather"]
 
 
 def softmax_gather(
@@ -31,7 +31,23 @@ def softmax_gather(
         ``(M, F)``, same dtype as ``feats``.
     """
     weights = torch.softmax(-distances.to(feats.dtype) / sigma, dim=1)
+    return gather(weights, indices, feats)
+
+
+def gather(
+    weights: torch.Tensor, indices: torch.Tensor, feats: torch.Tensor
+) -> torch.Tensor:
+    """The gather in PyTorch: ``out[q] = sum_j weights[q, j] * feats[indices[q, j]]``,
+    ``(M, F)``."""
     return (weights.unsqueeze(-1) * feats[indices]).sum(dim=1)
+
+
+def gather_weights_grad(
+    grad_out: torch.Tensor, indices: torch.Tensor, feats: torch.Tensor
+) -> torch.Tensor:
+    """The gather's gradient with respect to its weights: ``grad[q, j] = <grad_out[q],
+    feats[indices[q, j]]>``, ``(M, k)``."""
+    return (grad_out.unsqueeze(1) * feats[indices]).sum(dim=-1)
 
 
 def scatter(

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .gather import scatter
+from .gather import gather_weights_grad, scatter
 
 __all__ = [
     "distance_backward",
@@ -131,7 +131,7 @@ def knn_aggregate_backward(
         feats: ``(N, F)``; p_query, p_ref: ``(M, 3)``, ``(N, 3)``.
     """
     # d loss / d weights[q, j] = <grad_out[q], feats[indices[q, j]]> (+ grad_weights)
-    upstream = (grad_out.unsqueeze(1) * feats[indices]).sum(dim=-1).to(weights.dtype)
+    upstream = gather_weights_grad(grad_out, indices, feats).to(weights.dtype)
     if grad_weights is not None:
         upstream = upstream + grad_weights
     centred = upstream - (weights * upstream).sum(dim=1, keepdim=True)

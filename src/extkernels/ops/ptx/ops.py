@@ -25,8 +25,11 @@ from ..checks import (
     check_contiguous,
     check_index_limit,
     check_same_device,
+    check_tensor,
     values_checked,
 )
+from ..gather import gather as torch_gather
+from ..gather import gather_weights_grad
 from ..gather import scatter as torch_scatter
 from . import kernels
 
@@ -49,12 +52,7 @@ HOPPER = (9, 0)
 
 
 def _check_matrix(name: str, t: object, dtype: torch.dtype, what: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(
-            f"{name}: expected a torch.Tensor {what}, got {type(t).__name__}"
-        )
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    check_tensor(name, t, (dtype,), what)
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"{name}: expected a non-empty {what}, got {tuple(t.shape)}")
     check_contiguous(name, t)
@@ -159,7 +157,7 @@ def gather(
 def gather_cpu(weights, indices, feats):
     """The gather on CPU tensors, in PyTorch (chapter 10)."""
     check_neighbours(weights, indices, feats, feats.shape[0])
-    return (weights.unsqueeze(-1) * feats[indices]).sum(dim=1)
+    return torch_gather(weights, indices, feats)
 
 
 @gather.register_fake
@@ -226,7 +224,7 @@ def gather_backward(ctx, grad_out):
     grad_out = grad_out.contiguous()
     grad_weights = grad_feats = None
     if ctx.needs_input_grad[0]:
-        grad_weights = (grad_out.unsqueeze(1) * feats[indices]).sum(dim=-1)
+        grad_weights = gather_weights_grad(grad_out, indices, feats)
     if ctx.needs_input_grad[2]:
         adjoint = torch_scatter if torch.is_grad_enabled() else scatter
         grad_feats = adjoint(grad_out, weights, indices, ctx.n_ref)

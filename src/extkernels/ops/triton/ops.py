@@ -24,6 +24,7 @@ from ..checks import (
     check_knn,
     check_knn_aggregate,
 )
+from ..gather import gather as torch_gather
 from ..gather import scatter
 from ..torch.brute_force import knn as brute_force_knn
 from . import spatial
@@ -243,7 +244,7 @@ def knn_aggregate_fwd_op(
     if p_query.device.type != "cuda":  # traced for CPU tensors, as knn_op
         distances, indices = brute_force_knn(p_query, p_ref, k)
         weights = _softmax_weights(distances, sigma)
-        out = (weights[:, :, None] * feats[indices]).sum(dim=1)
+        out = torch_gather(weights, indices, feats)
         return out, weights, indices
     return launch_knn_aggregate(p_query, p_ref, feats, k, sigma)
 

@@ -10,9 +10,9 @@
   :data:`~.kernels.scatter`. Both call :mod:`~.positions`'s operator when a cloud
   requires grad.
 
-The module reads in the order of the recipe: each operator's ``custom_op``, its
-``register_fake`` right beneath it, then ``setup_context`` and the
-``register_autograd`` call that joins each forward to its backward
+The module reads in the order of the recipe: each operator's ``custom_op`` (by
+:func:`warp_op`), its ``register_fake`` right beneath it, then ``setup_context`` and
+the ``register_autograd`` call that joins each forward to its backward
 (:func:`attach_backward`). The backward is chosen by the operator's name, not by a
 setting read by the autograd formula: such a setting would be read once, at trace time,
 and compiled-graph caches (in memory and on disk) would not know about it.
@@ -35,6 +35,7 @@ graphs leave them out; :mod:`extkernels.graphs` captures them by hand.
 # No ``from __future__ import annotations``: torch.library reads the annotations as
 # types.
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,8 +51,18 @@ from .interop import Where, descriptor, launch, where
 #: region).
 TAGS = (torch.Tag.needs_contiguous_strides, *CUDAGRAPH_UNSAFE)
 
+
+def warp_op(name: str) -> Callable:
+    """``torch.library.custom_op`` for the operator ``warp::<name>``, as every Warp
+    operator is made: no argument mutated, the CPU and CUDA, :data:`TAGS`."""
+    return torch.library.custom_op(
+        f"warp::{name}", mutates_args=(), device_types=("cpu", "cuda"), tags=TAGS
+    )
+
+
 __all__ = [
     *("BACKWARDS", "new_entry", "launch_online", "forward", "forward_fake"),
+    "warp_op",
     *("radius_aggregate_op", "radius_aggregate_manual_op", "backward_entry"),
     *("backward", "backward_fake", "radius_aggregate_backward_op"),
     *("radius_aggregate_backward_manual_op", "setup_context", "attach_backward"),
@@ -65,9 +76,9 @@ BACKWARDS = ("adjoint", "manual")
 @functools.cache
 def kernels() -> Any:
     """The kernels module, imported (and Warp with it) on the first launch."""
-    from . import kernels as k
+    from . import kernels as module
 
-    return k
+    return module
 
 
 def _threads(n_features: int) -> int:
@@ -142,12 +153,7 @@ def forward(
     return out
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate")
 def radius_aggregate_op(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
@@ -174,12 +180,7 @@ def radius_aggregate_op(
     return forward(p_query, p_ref, feats, radius, sigma)
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_manual",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate_manual")
 def radius_aggregate_manual_op(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
@@ -244,7 +245,7 @@ def backward(
         alert_not_deterministic(
             f"warp::radius_aggregate ({kind} backward, atomic adds)"
         )
-    k = kernels()
+    kernel_module = kernels()
     m, f = grad_out.shape
     at = where(p_ref.device)
     entry = backward_entry(p_query, p_ref, radius, sigma, at)
@@ -260,7 +261,7 @@ def backward(
         # tensor nobody reads.
         scratch = torch.empty_like(grad_out)
         launch(
-            k.aggregate,
+            kernel_module.aggregate,
             (m, _threads(f)),
             [
                 *common,
@@ -276,7 +277,7 @@ def backward(
         )
     else:
         launch(
-            k.scatter,
+            kernel_module.scatter,
             (m, _threads(f)),
             [*common, *entry.norm_descs, radius, sigma]
             + [descriptor(grad_out), descriptor(grad_feats)],
@@ -286,12 +287,7 @@ def backward(
     return grad_feats
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_backward",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate_backward")
 def radius_aggregate_backward_op(
     grad_out: torch.Tensor,
     p_query: torch.Tensor,
@@ -314,12 +310,7 @@ def radius_aggregate_backward_op(
     return backward(grad_out, p_query, p_ref, feats, radius, sigma, "adjoint")
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_backward_manual",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate_backward_manual")
 def radius_aggregate_backward_manual_op(
     grad_out: torch.Tensor,
     p_query: torch.Tensor,

@@ -18,7 +18,7 @@ from ..checks import (
 )
 from .grids import POOL, entry_key
 from .interop import descriptor, launch, where
-from .ops import TAGS, backward_entry, kernels
+from .ops import backward_entry, kernels, warp_op
 
 __all__ = ["radius_aggregate_positions_backward_op"]
 
@@ -33,12 +33,7 @@ def _check(grad_out, out, p_query, p_ref, feats, radius, sigma) -> tuple[float, 
     return radius, sigma
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_positions_backward",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate_positions_backward")
 def radius_aggregate_positions_backward_op(
     grad_out: torch.Tensor,
     out: torch.Tensor,

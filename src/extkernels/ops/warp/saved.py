@@ -19,7 +19,7 @@ from ..checks import check_grad_out, check_radius_aggregate, check_same_device
 from ..positions import refuse_position_grads
 from .grids import POOL, entry_key
 from .interop import where
-from .ops import TAGS, backward, launch_online, new_entry
+from .ops import backward, launch_online, new_entry, warp_op
 
 __all__ = [
     "radius_aggregate_saved_op",
@@ -44,12 +44,7 @@ def _check_norms(norms: object, p_query: torch.Tensor) -> None:
     check_same_device(p_query=p_query, norms=norms)
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_saved",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate_saved")
 def radius_aggregate_saved_op(
     p_query: torch.Tensor,
     p_ref: torch.Tensor,
@@ -76,12 +71,7 @@ def _saved_fake(p_query, p_ref, feats, radius, sigma):
     return p_query.new_empty((m, feats.shape[1])), p_query.new_empty((2, m))
 
 
-@torch.library.custom_op(
-    "warp::radius_aggregate_backward_saved",
-    mutates_args=(),
-    device_types=("cpu", "cuda"),
-    tags=TAGS,
-)
+@warp_op("radius_aggregate_backward_saved")
 def radius_aggregate_backward_saved_op(
     grad_out: torch.Tensor,
     p_query: torch.Tensor,

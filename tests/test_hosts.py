@@ -1,0 +1,108 @@
+"""Comparisons from one host: a page compares timings only from runs of the host it ran
+on, and every data file holds one host's runs (the run cards' ``host CPU``; the host
+sets the pace of every step the CPU launches, so two hosts' runs are not compared).
+
+The files and pages measured before the one-host campaign are listed below; each entry
+must still be mixed, so the lists only shrink."""
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import ROOT
+
+DATA = ROOT / "book" / "data"
+PAGES = sorted((ROOT / "book").glob("*.ipynb"))
+FILES = sorted(DATA.glob("*.json"))
+
+#: Data files that still gather runs of several hosts.
+MIXED_FILES = {"benchmark-h200.json", "benchmark-shipping-h200.json"}
+#: Pages that still read runs of another host than their own.
+CROSS_HOST_PAGES = {
+    "01_eager_baseline",
+    "02_torch_compile",
+    "03_cuml_knn",
+    "04_rmm_pool",
+    "05_warp_radius",
+    "06_warp_backward",
+    "07_warp_interop",
+    "08_triton_knn",
+    "09_cuda_knn",
+    "10_ptx_gather",
+    "11_whole_step",
+    "12_scaling",
+    "14_real_clouds",
+    "15_shipping",
+    "results",
+}
+
+HOST = re.compile(r"host CPU\s+(.+)")
+DATA_FILE = re.compile(r"data/([\w.-]+\.json)")
+
+
+def hosts_of_file(path: Path) -> set[str]:
+    """The hosts a data file's run card names."""
+    versions = json.loads(path.read_text())["meta"].get("versions", {})
+    return set(versions.get("host CPU", "unknown").split("; "))
+
+
+def host_of_page(path: Path) -> set[str]:
+    """The hosts a page's first run card (its ``versions()`` cell) names."""
+    for cell in nbformat.read(path, as_version=4).cells:
+        for out in cell.get("outputs", []):
+            text = out.get("text") or out.get("data", {}).get("text/plain", "")
+            found = HOST.search(text)
+            if found:
+                return set(found.group(1).strip().split("; "))
+    return set()
+
+
+def files_of_page(path: Path) -> set[str]:
+    """The data files a page's code reads: by name, or through ``results.recorded``
+    (the benchmark file) and ``results.SHIPPING``."""
+    from extkernels import results
+
+    files = set()
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        files |= set(DATA_FILE.findall(cell.source))
+        if "recorded(" in cell.source:
+            files.add(Path(results.BENCHMARK).name)
+        if "SHIPPING" in cell.source:
+            files.add(Path(results.SHIPPING).name)
+    return files
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_a_data_file_holds_one_hosts_runs(path):
+    hosts = hosts_of_file(path)
+    if path.name in MIXED_FILES:
+        assert len(hosts) > 1, (
+            f"{path.name} holds one host's runs: drop it from the set"
+        )
+    else:
+        assert len(hosts) == 1, f"{path.name}: runs of several hosts: {sorted(hosts)}"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+def test_a_page_compares_runs_of_its_own_host(path):
+    hosts = host_of_page(path)
+    assert hosts, f"{path.name}: no run card names the host it ran on"
+    for name in files_of_page(path):
+        assert (DATA / name).exists(), f"{path.name} reads {name}, which is not there"
+        hosts |= hosts_of_file(DATA / name)
+    if path.stem in CROSS_HOST_PAGES:
+        assert len(hosts) > 1, (
+            f"{path.name} reads one host's runs: drop it from the set"
+        )
+    else:
+        assert len(hosts) == 1, f"{path.name}: runs of several hosts: {sorted(hosts)}"
+
+
+def test_the_rule_sees_two_hosts(tmp_path):
+    card = {"meta": {"versions": {"host CPU": "A (16 cores); B (32 cores)"}}}
+    (tmp_path / "x.json").write_text(json.dumps(card))
+    assert hosts_of_file(tmp_path / "x.json") == {"A (16 cores)", "B (32 cores)"}
