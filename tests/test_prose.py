@@ -55,6 +55,15 @@ OPERATOR_CHAPTERS = {
     ),
     "14_real_clouds": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
     "15_shipping": ("custom_op", "register_fake", "opcheck", "fullgraph=True"),
+    "16_your_model": (
+        "custom_op",
+        "register_fake",
+        "new_dynamic_size",
+        "register_autograd",
+        "opcheck",
+        "fullgraph=True",
+        "torch.export.export",
+    ),
 }
 
 BLOCK = re.compile(r"(^(?:`{3,}|:{3,}).*?^(?:`{3,}|:{3,})\s*$)", re.S | re.M)

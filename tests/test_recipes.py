@@ -195,6 +195,44 @@ CHAPTERS = {
         torch.library.opcheck(knn_into, (q, r, prob.k, distances, indices))
         """,
     ),
+    "16_your_model": (
+        (),
+        "",
+        """
+        q, r = p_query[:64], p_ref[:300]
+        q_at, r_at = torch.tensor([0, 30, 64]), torch.tensor([0, 100, 300])
+        distances, offsets, indices = radius_search(q, r, 0.5, q_at, r_at)
+        d = _pairwise(q, r)
+        one_cloud = cloud_of(q_at, q)[:, None] == cloud_of(r_at, r)[None, :]
+        want = (d <= 0.5) & one_cloud
+        assert torch.equal(offsets.diff(), want.sum(1)), "neighbours per query"
+        rows = edge_rows(offsets, len(indices))
+        assert want[rows, indices].all(), "a neighbour out of range or cloud"
+        assert torch.allclose(distances, d[rows, indices], atol=1e-6), "distances"
+        torch.library.opcheck(radius_search, (q, r, 0.5, q_at, r_at))
+        q64, r64 = q.double().requires_grad_(), r.double().requires_grad_()
+        search = lambda a, b: radius_search(a, b, 0.5, q_at, r_at)[0]
+        assert torch.autograd.gradcheck(search, (q64, r64)), "gradient"
+        points, at = p_ref[:300], torch.tensor([0, 120, 300])
+        labels = torch.tensor([0, 2])
+        torch.manual_seed(prob.seed)
+        model = Classifier(3, n_centres=8, radius=0.5, width=16)
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+        optimiser = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(compiled(points, at), labels)
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0], losses
+        with torch.no_grad():
+            scores = compiled(points, at)
+            assert scores.shape == (2, 3), scores.shape
+            assert torch.allclose(scores, model(points, at), atol=1e-5), "compiled"
+        """,
+    ),
     "08_triton_knn": (
         ("01_eager_baseline",),
         "import triton\nimport triton.language as tl\n",

@@ -19,7 +19,14 @@ from .models import (
     RadiusAggregation,
     Shifted,
 )
-from .ops import backends, knn, knn_aggregate, radius_aggregate
+from .ops import (
+    backends,
+    knn,
+    knn_aggregate,
+    knn_graph,
+    radius_aggregate,
+    radius_search,
+)
 from .problem import Problem, problem
 from .training import train
 
@@ -37,9 +44,11 @@ __all__ = [
     "features",
     "knn",
     "knn_aggregate",
+    "knn_graph",
     "problem",
     "query_grid",
     "radius_aggregate",
+    "radius_search",
     "reference_cloud",
     "targets",
     "train",

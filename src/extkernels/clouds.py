@@ -34,6 +34,7 @@ __all__ = [
     "Workload",
     "mesh_triangles",
     "sample_surface",
+    "stl_triangles",
     "workload",
 ]
 
@@ -89,18 +90,30 @@ def _rtb_data_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-@functools.cache
 def mesh_triangles(name: str) -> np.ndarray:
-    """The triangles of mesh ``name`` (a key of :data:`MESHES`), read from its binary
-    STL file, centred and scaled so that its box's longest side spans ``[-1, 1]``.
+    """The triangles of mesh ``name`` (a key of :data:`MESHES`), centred and scaled so
+    that its box's longest side spans ``[-1, 1]``.
 
     Returns:
         ``(T, 3, 3)`` float64: three corners per triangle.
     """
     if name not in MESHES:
         raise ValueError(f"name: expected one of {sorted(MESHES)}, got {name!r}")
-    raw = (_rtb_data_root() / MESHES[name]).read_bytes()
+    return stl_triangles(MESHES[name])
+
+
+@functools.cache
+def stl_triangles(path: str) -> np.ndarray:
+    """The triangles of the binary STL file at ``path`` inside the ``rtb-data``
+    wheel, centred and scaled so that its box's longest side spans ``[-1, 1]``.
+
+    Returns:
+        ``(T, 3, 3)`` float64: three corners per triangle.
+    """
+    raw = (_rtb_data_root() / path).read_bytes()
     count = int(np.frombuffer(raw, "<u4", count=1, offset=80)[0])
+    if len(raw) != 84 + 50 * count:
+        raise ValueError(f"path: expected a binary STL file, got {path!r}")
     record = np.dtype(
         [("normal", "<f4", 3), ("corners", "<f4", (3, 3)), ("attr", "<u2")]
     )

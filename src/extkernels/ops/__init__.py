@@ -1,7 +1,8 @@
 """The operators of the running example: entry points, and one subpackage per backend.
 
-- :mod:`~extkernels.ops.dispatch`: ``knn``, ``knn_aggregate``, ``radius_aggregate``,
-  each checking its arguments once and calling the backend named by ``backend=``;
+- :mod:`~extkernels.ops.dispatch`: ``knn``, ``knn_aggregate``, ``radius_aggregate``
+  and the neighbour lists ``radius_search`` and ``knn_graph``, each checking its
+  arguments once and calling the backend named by ``backend=``;
 - :mod:`~extkernels.ops.checks`: the validation contract every entry point, custom
   operator and fake implementation shares;
 - :mod:`~extkernels.ops.registry`: backends as plug-ins (:func:`backends` lists those
@@ -20,10 +21,17 @@ is adding its folder; no line here names it.
 import importlib
 import pkgutil
 
-from .dispatch import knn, knn_aggregate, radius_aggregate
+from .dispatch import knn, knn_aggregate, knn_graph, radius_aggregate, radius_search
 from .registry import backends
 
-__all__ = ["knn", "knn_aggregate", "radius_aggregate", "backends"]
+__all__ = [
+    "knn",
+    "knn_aggregate",
+    "radius_aggregate",
+    "radius_search",
+    "knn_graph",
+    "backends",
+]
 
 
 def _import_backends() -> None:

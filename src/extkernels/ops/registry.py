@@ -33,6 +33,11 @@ that take an operation's arguments, so that the conformance suite
 (``tests/test_backends.py``) runs ``opcheck`` on them: a new backend gets the suite by
 registering.
 
+A batch of clouds (``query_offsets``, ``ref_offsets``: :mod:`~extkernels.ops.batches`)
+reaches a backend's implementation in one call where its record lists the operation in
+``batched``; for any other operation the entry point loops over the clouds, calling the
+single-cloud implementation once per cloud (:func:`~extkernels.ops.batches.per_cloud`).
+
 A backend is one folder, ``ops/<backend>/``, whose ``__init__`` registers it:
 ``extkernels.ops`` imports every such folder it finds, so that adding a backend edits no
 other file.
@@ -57,6 +62,7 @@ from .positions import refuse_position_grads, wants_grad
 
 __all__ = [
     "OPERATIONS",
+    "NEIGHBOUR_LISTS",
     "CUDAGRAPH_UNSAFE",
     "PREFERENCE",
     "Backend",
@@ -72,6 +78,10 @@ __all__ = [
 ]
 
 OPERATIONS = ("knn", "knn_aggregate", "radius_aggregate")
+#: Operations beside the projector's, which its benchmark and conformance suite do not
+#: run: neighbour lists for graph layers. A backend may implement them too.
+NEIGHBOUR_LISTS = ("radius_search",)
+_ALL = OPERATIONS + NEIGHBOUR_LISTS
 
 #: The backends in the order the book advises them, best first (chapter 12's guide
 #: lists its rows of each workload so, :func:`by_preference`): the fused operators,
@@ -152,7 +162,8 @@ class Backend:
             ``warp``...).
         devices: device types whose tensors it accepts.
         available: whether its library is installed (a cheap test: no import).
-        knn, knn_aggregate, radius_aggregate: its implementation of each operation,
+        knn, knn_aggregate, radius_aggregate, radius_search: its implementation of
+            each operation (``radius_search`` optional, see :data:`NEIGHBOUR_LISTS`),
             called with checked arguments (see :mod:`~extkernels.ops.checks`) and the
             caller's extra keyword options; ``knn_aggregate`` is derived from ``knn``
             when not given.
@@ -165,6 +176,10 @@ class Backend:
             and ``p_ref`` (see :mod:`~extkernels.ops.positions`); a call of any other
             whose clouds require grad is refused at forward time. A derived
             ``knn_aggregate`` is differentiable where ``knn`` is.
+        batched: the operations whose implementation takes a batch of clouds itself
+            (keywords ``query_offsets`` and ``ref_offsets``, indices global); the entry
+            points loop over the clouds for the others. A derived ``knn_aggregate`` is
+            batched where ``knn`` is.
         library: the file of its own compiled operator library (what
             ``torch.ops.load_library`` loads in a process without this package),
             built or found when called; ``None`` when it has none to build.
@@ -182,9 +197,11 @@ class Backend:
     knn: Callable | None = None
     knn_aggregate: Callable | None = None
     radius_aggregate: Callable | None = None
+    radius_search: Callable | None = None
     operators: Mapping[str, str] = field(default_factory=dict)
     prepare: Callable[[], object] = _always
     position_grads: tuple[str, ...] = ()
+    batched: tuple[str, ...] = ()
     library: Callable[[], object] | None = None
     libraries: tuple[str, ...] = ()
     python_module: str | None = None
@@ -196,16 +213,25 @@ class Backend:
             if "knn" in self.position_grads:
                 grads = (*self.position_grads, "knn_aggregate")
                 object.__setattr__(self, "position_grads", tuple(dict.fromkeys(grads)))
-        unknown = set(self.position_grads) - set(OPERATIONS)
+            if "knn" in self.batched:
+                batched = (*self.batched, "knn_aggregate")
+                object.__setattr__(self, "batched", tuple(dict.fromkeys(batched)))
+        unknown = set(self.batched) - set(OPERATIONS)
         if unknown:
             raise ValueError(
-                f"position_grads: expected operations among {OPERATIONS}, got "
+                f"batched: expected operations among {OPERATIONS}, got "
                 f"{sorted(unknown)}"
             )
-        unknown = set(self.operators) - set(OPERATIONS)
+        unknown = set(self.position_grads) - set(_ALL)
         if unknown:
             raise ValueError(
-                f"operators: expected keys among {OPERATIONS}, got {sorted(unknown)}"
+                f"position_grads: expected operations among {_ALL}, got "
+                f"{sorted(unknown)}"
+            )
+        unknown = set(self.operators) - set(_ALL)
+        if unknown:
+            raise ValueError(
+                f"operators: expected keys among {_ALL}, got {sorted(unknown)}"
             )
 
     @property
@@ -319,8 +345,8 @@ def scratch(*added: Backend, alone: bool = False) -> Iterator[None]:
 
 def backends(op_name: str) -> list[str]:
     """Names of the backends of ``op_name`` that can run on this machine."""
-    if op_name not in OPERATIONS:
-        raise ValueError(f"op_name: expected one of {OPERATIONS}, got {op_name!r}")
+    if op_name not in _ALL:
+        raise ValueError(f"op_name: expected one of {_ALL}, got {op_name!r}")
     return [
         b.name for b in _BACKENDS.values() if b.implements(op_name) and b.runs_here()
     ]

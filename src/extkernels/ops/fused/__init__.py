@@ -21,7 +21,7 @@ first use, never on import.
 
 import torch
 
-from .. import checks, cpp, positions
+from .. import batches, checks, cpp, positions
 from ..registry import OPERATIONS, Backend, Book, register
 from . import build, ops
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
@@ -34,6 +34,7 @@ __all__ = [
     "INDEXES",
     "LANES",
     "available",
+    "knn_batched",
     "knn_out",
     "knn_work",
     "load",
@@ -102,6 +103,38 @@ def knn_out(
     ops.check_out(p_query, k, distances, indices)  # metadata only: loads nothing
     _check_queries("knn", p_query)
     _call("knn_out", p_query, p_ref, k, distances, indices, lanes, index)
+
+
+def knn_batched(p_query, p_ref, query_offsets, ref_offsets, k):
+    """The ``k`` nearest neighbours of each query among its own cloud's reference
+    points, for a batch of clouds in one launch (the operator
+    ``extkernels_fused::knn_batched``, every pair tested: for clouds of a few thousand
+    points). The clouds are packed as in
+    :mod:`~extkernels.ops.batches`: the queries of cloud ``b`` are the rows
+    ``query_offsets[b]:query_offsets[b + 1]`` of ``p_query`` ``(M, 3)``, its reference
+    points the rows ``ref_offsets[b]:ref_offsets[b + 1]`` of ``p_ref`` ``(N, 3)``.
+    Returns distances ``(M, k)`` float32 ascending (not squared) and indices ``(M, k)``
+    int64, rows of the whole ``p_ref``, ties to the lower row; the distances are
+    differentiable in both clouds.
+
+    Synchronisation: with the value checks on (eager mode, by default), the offsets are
+    copied to the host once, in one copy, and checked there (every cloud with queries
+    must hold at least ``k`` reference points: the error names the first that does not),
+    with the coordinates' finite check, one more read; the operator then runs with its
+    own checks off and reads nothing back. With the checks off (while compiling, in a
+    CUDA graph's capture, or under ``value_checks(False)``) nothing is read back at all,
+    and a cloud of fewer than ``k`` points leaves its queries' last neighbours at
+    distance infinity and row -1."""
+    k = ops.check_knn_batched(p_query, p_ref, query_offsets, ref_offsets, k)
+    _check_queries("knn", p_query)
+    if checks.values_checked(p_query):
+        both = torch.cat([query_offsets, ref_offsets]).cpu()  # the one copy
+        query_host, ref_host = both.split([query_offsets.shape[0]] * 2)
+        batches.check_batch(query_host, ref_host, p_query.shape[0], p_ref.shape[0])
+        batches.check_clouds_hold(query_host, ref_host, k)
+        checks.check_finite(True, p_query=p_query, p_ref=p_ref)
+    args = (p_query, p_ref, query_offsets, ref_offsets, k)
+    return checks.call_checked(_call, "knn_batched", *args)
 
 
 def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:

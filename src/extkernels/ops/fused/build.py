@@ -64,9 +64,10 @@ def defines() -> list[str]:
 
 def sources(cuda: bool) -> list[Path]:
     """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
-    files = [CSRC / "fused.cpp"]
+    files = [CSRC / "fused.cpp", CSRC / "knn_batched.cpp"]
     cuda_files = [
         "grid_build_cuda.cu",
+        "knn_batched_cuda.cu",
         "knn_lanes_cuda.cu",
         "radius_cuda.cu",
         "positions_cuda.cu",

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .. import checks, positions
+from .. import batches, checks, positions
 from ..checks import (
     check_buffer,
     check_index_limit,
@@ -36,6 +36,7 @@ __all__ = [
     "cell_capacity",
     "check_out",
     "check_queries",
+    "check_knn_batched",
 ]
 
 _ops = torch.ops.extkernels_fused
@@ -164,9 +165,46 @@ def _knn_work_fake(p_query, p_ref, k, index=DEFAULT_INDEX):
     return p_query.new_empty((p_query.shape[0], 2), dtype=torch.int64)
 
 
+def check_knn_batched(p_query, p_ref, query_offsets, ref_offsets, k) -> int:
+    """The metadata of ``knn_batched``'s arguments, as its C++ checks
+    (``knn_batched.h``) see them: two clouds and two offsets on one device, as many
+    clouds of queries as of reference points, ``1 <= k <=`` the kernels' most. Run by
+    the fake and the entry point; returns ``k``. The offsets' values are the entry
+    point's to check."""
+    checks.check_cloud("p_query", p_query)
+    checks.check_cloud("p_ref", p_ref)
+    checks.check_same_device(p_query=p_query, p_ref=p_ref)
+    cpp_ops.check_max_points(p_ref)
+    batches.check_batch(
+        query_offsets, ref_offsets, p_query.shape[0], p_ref.shape[0], values=False
+    )
+    checks.check_same_device(
+        p_query=p_query, query_offsets=query_offsets, ref_offsets=ref_offsets
+    )
+    checks.check_contiguous("query_offsets", query_offsets)
+    checks.check_contiguous("ref_offsets", ref_offsets)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k: expected an int, got {type(k).__name__}")
+    if not 1 <= k <= cpp_ops.max_k():
+        raise ValueError(
+            f"k: expected 1 <= k <= {cpp_ops.max_k()} (the C++ kernels keep at most "
+            f"that many neighbours), got {k}"
+        )
+    return k
+
+
+@on_load.register_fake("extkernels_fused::knn_batched")
+def knn_batched_fake(p_query, p_ref, query_offsets, ref_offsets, k):
+    k = check_knn_batched(p_query, p_ref, query_offsets, ref_offsets, k)
+    m = p_query.shape[0]
+    return p_query.new_empty((m, k)), p_query.new_empty((m, k), dtype=torch.int64)
+
+
 # The forward returns chapter 9's (out, weights, indices): its backward is chapter 9's.
 on_load(lambda: cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_fwd"))
 on_load(lambda: positions.register_knn_autograd("extkernels_fused::knn"))
+# Its indices are rows of the whole p_ref: the same formula holds for a batch.
+on_load(lambda: positions.register_knn_autograd("extkernels_fused::knn_batched"))
 
 
 @on_load.register_fake("extkernels_fused::radius_aggregate_fwd")

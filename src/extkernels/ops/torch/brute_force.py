@@ -10,15 +10,28 @@ Both are differentiable in ``p_query`` and ``p_ref`` with the neighbours held fi
 (:mod:`~extkernels.ops.positions`), to any order: they are plain PyTorch. Neighbours at
 equal distance are taken by the lowest reference index, as every backend of the book
 takes them.
+
+A batch of clouds (``query_offsets``, ``ref_offsets``, :mod:`~extkernels.ops.batches`)
+is one masked brute force over the whole batch: the distance to a point of another
+cloud is ``+inf`` (outside every radius), so each query finds its own cloud's points.
+The clouds of the points come from the offsets by tensor operations, never by reading
+them on the host, so the batched form compiles with ``fullgraph=True``. Its queries go
+in slices of :data:`BATCH_CHUNK` pairs by default, since the batch's ``M x N`` pairs
+are mostly masked ones.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..batches import cloud_of
 from ..positions import pairwise_distances, wants_grad, with_position_grads
 
-__all__ = ["knn", "radius_aggregate"]
+__all__ = ["BATCH_CHUNK", "knn", "radius_aggregate"]
+
+#: Pairs (queries x reference points) per slice of a batch's masked brute force when
+#: no ``chunk_size`` is given.
+BATCH_CHUNK = 1 << 22
 
 
 def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor, ...]:
@@ -30,6 +43,28 @@ def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor
             f"{chunk_size}"
         )
     return p_query.split(chunk_size)
+
+
+def _batch_chunk(p_ref: torch.Tensor, chunk_size: int | None, offsets) -> int | None:
+    if offsets is None or chunk_size is not None:
+        return chunk_size
+    return max(1, BATCH_CHUNK // p_ref.shape[0])
+
+
+def _clouds(p_query, p_ref, query_offsets, ref_offsets, chunk_size):
+    """The queries' slices and, for a batch, each slice's ``(m, N)`` mask of the pairs
+    within one cloud (``None`` without offsets)."""
+    queries = _chunks(p_query, chunk_size)
+    if query_offsets is None:
+        return [(q, None) for q in queries]
+    ref_cloud = cloud_of(ref_offsets, p_ref.shape[0])
+    query_cloud = cloud_of(query_offsets, p_query.shape[0]).split(
+        [q.shape[0] for q in queries]
+    )
+    return [
+        (q, c[:, None] == ref_cloud[None, :])
+        for q, c in zip(queries, query_cloud, strict=True)
+    ]
 
 
 def _distances(p_query: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
@@ -57,8 +92,18 @@ def _nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return d.gather(1, indices), indices
 
 
+def _masked(d: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:
+    return d if same is None else d.masked_fill(~same, torch.inf)
+
+
 def knn(
-    p_query: torch.Tensor, p_ref: torch.Tensor, k: int, *, chunk_size: int | None = None
+    p_query: torch.Tensor,
+    p_ref: torch.Tensor,
+    k: int,
+    *,
+    chunk_size: int | None = None,
+    query_offsets: torch.Tensor | None = None,
+    ref_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """k nearest reference points of every query by brute force.
 
@@ -66,15 +111,23 @@ def knn(
         p_query: ``(M, 3)`` query points.
         p_ref: ``(N, 3)`` reference points.
         k: neighbours per query, ``1 <= k <= N``.
-        chunk_size: queries per slice, or None for one slice.
+        chunk_size: queries per slice, or None for one slice (for a batch,
+            :data:`BATCH_CHUNK` pairs).
+        query_offsets, ref_offsets: a batch's offsets, or None; every cloud with
+            queries holds at least ``k`` points (the entry point checks it).
 
     Returns:
         distances ``(M, k)`` ascending along each row, and indices ``(M, k)`` int64 into
         p_ref; the distances differentiable in both clouds.
     """
+    chunk_size = _batch_chunk(p_ref, chunk_size, query_offsets)
     with torch.no_grad():
-        queries = _chunks(p_query, chunk_size)
-        parts = [_nearest(_distances(q, p_ref), k) for q in queries]
+        parts = [
+            _nearest(_masked(_distances(q, p_ref), same), k)
+            for q, same in _clouds(
+                p_query, p_ref, query_offsets, ref_offsets, chunk_size
+            )
+        ]
     if len(parts) == 1:
         distances, indices = parts[0]
     else:
@@ -91,6 +144,8 @@ def radius_aggregate(
     sigma: float,
     *,
     chunk_size: int | None = None,
+    query_offsets: torch.Tensor | None = None,
+    ref_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Radius-bounded aggregation of ``feats`` (N, F) onto the queries; returns ``(M,
     F)``.
@@ -98,14 +153,18 @@ def radius_aggregate(
     Weights ``exp(-distance / sigma)`` over the reference points within ``radius``,
     normalised per query; a query with no neighbour gets zeros. The gradient reaches
     ``feats`` through the final matrix product and, when they require grad, the clouds
-    through the weights (the set of neighbours held fixed).
+    through the weights (the set of neighbours held fixed). With offsets, only the
+    points of a query's own cloud are neighbours.
     """
     positions = wants_grad(p_query, p_ref)
+    chunk_size = _batch_chunk(p_ref, chunk_size, query_offsets)
     out = []
-    for q in _chunks(p_query, chunk_size):
+    for q, same in _clouds(p_query, p_ref, query_offsets, ref_offsets, chunk_size):
         with torch.no_grad():
             d = _distances(q, p_ref)
             inside = d <= radius
+            if same is not None:
+                inside &= same
             # Shifting by each query's nearest in-radius distance cancels in the
             # normalisation and keeps exp() from underflowing when radius / sigma is
             # large.

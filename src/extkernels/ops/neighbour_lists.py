@@ -1,0 +1,129 @@
+"""The contract of the neighbour lists that graph layers take: the radius search and
+its padded form (the radius of chapter 5 as a list of neighbours, compiled as chapter 2
+compiles), and the helpers that turn lists into edges.
+
+:func:`check_radius_search` is what the entry point, the custom operators and their
+fakes all call, by the rules of :mod:`~extkernels.ops.checks`: metadata always,
+values (finite coordinates, the offsets' values) in eager mode only. Unlike the
+projector's operations, a radius search takes an empty cloud of either kind (a query
+with nothing around it finds no neighbour, and neither does any query of an empty
+reference cloud), and float64 clouds as well as float32 ones (the same dtype for both).
+Batches are :mod:`~extkernels.ops.batches`' packed clouds: the queries of cloud ``b``
+search cloud ``b`` only.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .batches import check_batch
+from .checks import check_cloud, check_finite, values_checked
+
+__all__ = [
+    "DTYPES",
+    "check_points",
+    "check_radius",
+    "check_radius_search",
+    "check_max_neighbours",
+]
+
+#: The dtypes of the clouds a radius search takes.
+DTYPES = (torch.float32, torch.float64)
+
+
+def check_points(name: str, points: object, dtypes=DTYPES) -> torch.Tensor:
+    """:func:`~extkernels.ops.checks.check_cloud`'s contract, an empty ``(0, 3)``
+    cloud allowed."""
+    if not (
+        isinstance(points, torch.Tensor)
+        and tuple(points.shape) == (0, 3)
+        and points.dtype in dtypes
+    ):
+        check_cloud(name, points, dtypes=dtypes)
+    return points
+
+
+def check_radius(radius: object) -> float:
+    """A finite ``radius > 0``, by comparisons alone: traced with ``dynamic=True``, a
+    global float is symbolic, which ``math.isfinite`` cannot take (the comparisons
+    guard the compiled graph on it instead)."""
+    if isinstance(radius, bool) or not isinstance(radius, numbers.Real):
+        raise TypeError(
+            f"radius: expected a positive float, got {type(radius).__name__}"
+        )
+    if not 0 < radius < math.inf:  # NaN fails both
+        raise ValueError(f"radius: expected a finite value > 0, got {radius}")
+    return float(radius)
+
+
+def check_max_neighbours(max_neighbours: object) -> int | None:
+    """``None`` (every neighbour) or an int >= 1."""
+    if max_neighbours is None:
+        return None
+    if isinstance(max_neighbours, bool) or not isinstance(
+        max_neighbours, numbers.Integral
+    ):
+        raise TypeError(
+            f"max_neighbours: expected an int or None, got "
+            f"{type(max_neighbours).__name__}"
+        )
+    if max_neighbours < 1:
+        raise ValueError(f"max_neighbours: expected an int >= 1, got {max_neighbours}")
+    return int(max_neighbours)
+
+
+def check_radius_search(
+    p_query: object,
+    p_ref: object,
+    radius: object,
+    max_neighbours: object = None,
+    query_offsets: object = None,
+    ref_offsets: object = None,
+    *,
+    values: bool | None = None,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+) -> tuple[float, int | None]:
+    """The arguments of ``radius_search``: two clouds (possibly empty) of one dtype on
+    one device, a finite ``radius > 0``, ``max_neighbours`` ``None`` or >= 1, and both
+    offsets or neither. Returns ``(radius, max_neighbours)``."""
+    check_points("p_query", p_query, dtypes)
+    check_points("p_ref", p_ref, dtypes)
+    if p_ref.dtype != p_query.dtype:
+        raise TypeError(
+            f"p_ref: expected dtype {p_query.dtype} like p_query, got {p_ref.dtype}"
+        )
+    if p_ref.device != p_query.device:
+        raise ValueError(
+            f"p_ref: expected a tensor on {p_query.device} like p_query, got "
+            f"{p_ref.device}"
+        )
+    radius = check_radius(radius)
+    max_neighbours = check_max_neighbours(max_neighbours)
+    if values is None:
+        values = values_checked(p_query)
+    if (query_offsets is None) != (ref_offsets is None):
+        given, missing = (
+            ("query_offsets", "ref_offsets")
+            if ref_offsets is None
+            else ("ref_offsets", "query_offsets")
+        )
+        raise ValueError(f"{missing}: expected offsets too, since {given} is given")
+    if query_offsets is not None:
+        check_batch(
+            query_offsets,
+            ref_offsets,
+            p_query.shape[0],
+            p_ref.shape[0],
+            values=values,
+        )
+        for name, t in (("query_offsets", query_offsets), ("ref_offsets", ref_offsets)):
+            if t.device != p_query.device:
+                raise ValueError(
+                    f"{name}: expected a tensor on {p_query.device} like p_query, "
+                    f"got {t.device}"
+                )
+    check_finite(values, p_query=p_query, p_ref=p_ref)
+    return radius, max_neighbours
