@@ -1,0 +1,274 @@
+"""Chapter 16's timings of batches and neighbour lists, each method of a case in fresh
+processes, beside the alternatives a reader has:
+
+- ``batch``: 32 clouds of 2,048 points packed with offsets, self kNN with k = 16, by
+  each backend's ``ek.knn`` with offsets (one launch where the backend takes the batch,
+  a loop over the clouds where it does not), by a Python loop of single-cloud calls,
+  and by PyTorch's brute force on the padded ``(B, P, 3)`` clouds (``cdist`` and
+  ``topk``);
+- ``single``: one cloud of 4,096 points, self kNN with k = 32: the default search, the
+  fused backend's batched kernel with one cloud, and the torch brute force;
+- ``radius``: the radius projector's workload (the book's reference cloud and query
+  grid, its radius): ``ek.radius_search`` (CSR, and padded to 64 neighbours) beside
+  ``ek.radius_aggregate``'s forward pass on each backend.
+
+    python -m extkernels.experiments.batched bench --repeats 5 --out batched.json
+
+Each (run, case) is one fresh process that times each of the case's methods in turn
+(the median of 5 blocks of calls, value checks off after a first checked call, as in
+every chapter); the table gives each method's median over the runs with their spread.
+On a machine without a GPU the sizes shrink (:func:`sizes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .. import fresh
+from ..data import features, query_grid, reference_cloud
+from ..ops import batches, knn, radius_aggregate, radius_search, registry
+from ..ops.checks import value_checks
+from ..problem import problem
+from ..provenance import versions
+from ..timing import time_blocks, time_fn
+
+__all__ = ["CASES", "sizes", "methods", "time_case", "bench", "table", "load", "main"]
+
+#: The cases, in the order the chapter shows them.
+CASES = ("batch", "single", "radius")
+
+
+def sizes(small: bool) -> dict:
+    """Every case's sizes: the issue's at full size, a few hundred points on the CPU."""
+    if small:
+        return {"clouds": 4, "points": 256, "k": 16, "single": 512, "k_single": 32}
+    return {"clouds": 32, "points": 2048, "k": 16, "single": 4096, "k_single": 32}
+
+
+def _cloud(n: int, seed: int, device) -> torch.Tensor:
+    return reference_cloud(n, seed=seed, device=device)
+
+
+def _batch(s: dict, device):
+    points = torch.cat([_cloud(s["points"], b, device) for b in range(s["clouds"])])
+    lengths = torch.full((s["clouds"],), s["points"], device=device)
+    return points, batches.offsets_from_lengths(lengths)
+
+
+def _padded_brute_force(points, offsets, k):
+    """PyTorch's brute force on padded clouds: ``cdist`` and ``topk`` per cloud, in one
+    batched call (the clouds here are equal in size, so nothing is masked)."""
+    padded, _ = batches.pad_packed(points, offsets)
+    d = torch.cdist(padded, padded)
+    return d.topk(k, dim=-1, largest=False)
+
+
+def _loop(points, offsets, k, backend):
+    at = offsets.tolist()
+    return [
+        knn(points[a:b], points[a:b], k, backend=backend)
+        for a, b in zip(at[:-1], at[1:], strict=True)
+    ]
+
+
+def methods(case: str, device) -> dict:
+    """The case's methods that run on ``device``: name -> a function of no argument
+    that builds the inputs (once) and returns the call to time."""
+    s = sizes(problem().small)
+    here = [b for b in registry.registered() if b.runs_on(device.type)]
+    knn_backends = [b.name for b in here if b.implements("knn")]
+    out = {}
+    if case == "batch":
+        k = s["k"]
+
+        def batched(backend):
+            def build():
+                points, offsets = _batch(s, device)
+                return lambda: knn(
+                    points,
+                    points,
+                    k,
+                    query_offsets=offsets,
+                    ref_offsets=offsets,
+                    backend=backend,
+                )
+
+            return build
+
+        def looped(backend):
+            def build():
+                points, offsets = _batch(s, device)
+                return lambda: _loop(points, offsets, k, backend)
+
+            return build
+
+        def padded():
+            points, offsets = _batch(s, device)
+            return lambda: _padded_brute_force(points, offsets, k)
+
+        for b in knn_backends:
+            out[f"{b}, offsets"] = batched(b)
+        for b in knn_backends:
+            out[f"{b}, loop of clouds"] = looped(b)
+        out["torch, cdist + topk on padded clouds"] = padded
+    elif case == "single":
+        k = s["k_single"]
+
+        def one(backend, offsets):
+            def build():
+                p = _cloud(s["single"], 0, device)
+                o = (
+                    p.new_tensor([0, p.shape[0]], dtype=torch.int64)
+                    if offsets
+                    else None
+                )
+                return lambda: knn(
+                    p, p, k, query_offsets=o, ref_offsets=o, backend=backend
+                )
+
+            return build
+
+        for b in knn_backends:
+            out[b] = one(b, False)
+        if "fused" in knn_backends:
+            out["fused, offsets"] = one("fused", True)
+    elif case == "radius":
+        prob = problem()
+
+        def workload():
+            p_ref = _cloud(prob.n_ref_radius, prob.seed, device)
+            p_query = query_grid(prob.grid_side, device=device)
+            return p_query, p_ref, features(p_ref.shape[0], 1, device=device)
+
+        def search(max_neighbours):
+            def build():
+                p_query, p_ref, _ = workload()
+                return lambda: radius_search(
+                    p_query, p_ref, prob.radius, max_neighbours=max_neighbours
+                )
+
+            return build
+
+        def aggregate(backend):
+            def build():
+                p_query, p_ref, feats = workload()
+                return lambda: radius_aggregate(
+                    p_query, p_ref, feats, prob.radius, prob.sigma, backend=backend
+                )
+
+            return build
+
+        out["radius_search torch, CSR"] = search(None)
+        out["radius_search torch, 64 nearest"] = search(64)
+        for b in here:
+            if b.implements("radius_aggregate"):
+                out[f"radius_aggregate {b.name}, forward"] = aggregate(b.name)
+    else:
+        raise ValueError(f"case: expected one of {', '.join(CASES)}, got {case!r}")
+    return out
+
+
+def time_case(case: str, n_blocks: int = 5, budget_ms: float = 200) -> list[dict]:
+    """Milliseconds per call of each of ``case``'s methods, in this process: the median
+    of ``n_blocks`` blocks, each about ``budget_ms`` long, after a first checked call.
+    A method that raises is recorded with its error, not timed."""
+    device = problem().device
+    rows = []
+    for name, build in methods(case, device).items():
+        try:
+            fn = build()
+            with torch.no_grad():
+                once = time_fn(fn, 1)  # every input check, as a first call runs
+                n_iters = max(1, min(200, int(budget_ms / max(once, 1e-3))))
+                with value_checks(False):
+                    ms, lo, hi = time_blocks(fn, n_iters, repeats=n_blocks)
+        except Exception as e:  # noqa: BLE001  (named in the table, not timed)
+            rows.append(
+                {"case": case, "method": name, "error": f"{type(e).__name__}: {e}"}
+            )
+            continue
+        rows.append(
+            {
+                "case": case,
+                "method": name,
+                "ms": ms,
+                "block_min": lo,
+                "block_max": hi,
+                "iters": n_iters,
+            }
+        )
+        del fn
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench(cases=CASES, *, repeats: int = 5) -> list[dict]:
+    """Every case ``repeats`` times, each run in a fresh process; the runs' rows, each
+    with its ``run`` number."""
+    rows = []
+    for r in range(repeats):
+        for case in cases:
+            print(f"run {r + 1}/{repeats} {case}", flush=True)
+            got = fresh.call("extkernels.experiments.batched", "time_case", case)
+            rows += [{**row, "run": r} for row in got]
+    return rows
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    """One row per (case, method): the median of the runs' milliseconds, their fastest
+    and slowest, and the number of runs; methods that raised are left out."""
+    df = pd.DataFrame(rows)
+    if "error" in df:
+        df = df[df["error"].isna()]
+    g = df.groupby(["case", "method"], sort=False)["ms"]
+    return pd.DataFrame(
+        {"ms": g.median(), "min": g.min(), "max": g.max(), "runs": g.size()}
+    )
+
+
+def load(path) -> tuple[dict, pd.DataFrame]:
+    """This command's JSON: its meta and the timing table (:func:`table`)."""
+    data = json.loads(Path(path).read_text())
+    return data["meta"], table(data["runs"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m extkernels.experiments.batched",
+        description=__doc__.split("\n\n")[0],
+    )
+    ap.add_argument("command", choices=["bench"])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="batched.json")
+    args = ap.parse_args(argv)
+    rows = bench(args.cases.split(","), repeats=args.repeats)
+    with pd.option_context(
+        "display.width", 200, "display.float_format", "{:.3f}".format
+    ):
+        print(table(rows).to_string())
+    for row in {r["method"]: r for r in rows if "error" in r}.values():
+        print(f"not timed: {row['method']}: {row['error']}", flush=True)
+    prob = problem()
+    meta = {
+        "hardware": prob.hardware,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "repeats": args.repeats,
+        "sizes": sizes(prob.small),
+        "versions": versions()["version"].to_dict(),
+    }
+    Path(args.out).write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Chapter 16's timing command: every method it times computes the same neighbours,
+and its table takes medians and spreads over the runs."""
+
+import pytest
+import torch
+
+from extkernels.experiments import batched
+from extkernels.problem import problem
+
+
+def _distances(result) -> torch.Tensor:
+    """The sorted neighbour distances of one method's result, as one (M, k) tensor."""
+    if isinstance(result, list):  # a loop of clouds
+        return torch.cat([d for d, _ in result])
+    d = result[0] if isinstance(result, tuple) else result.values
+    return d.reshape(-1, d.shape[-1])
+
+
+@pytest.mark.parametrize("case", ["batch", "single"])
+def test_every_knn_method_finds_the_same_neighbours(case):
+    device = problem().device
+    found = {
+        name: _distances(build()())
+        for name, build in batched.methods(case, device).items()
+    }
+    reference = found.pop("torch") if case == "single" else found.pop("torch, offsets")
+    assert len(found) >= 2
+    for name, d in found.items():
+        # cdist's default expands |q - p|^2 as |q|^2 + |p|^2 - 2 q.p: a distance of 0
+        # comes back as up to ~1e-3 (sqrt of float32 rounding)
+        atol = 2e-3 if "cdist" in name else 1e-5
+        torch.testing.assert_close(d, reference, rtol=1e-5, atol=atol, msg=name)
+
+
+def test_radius_methods_are_the_search_and_the_aggregations():
+    device = problem().device
+    names = list(batched.methods("radius", device))
+    assert names[:2] == ["radius_search torch, CSR", "radius_search torch, 64 nearest"]
+    assert "radius_aggregate torch, forward" in names
+
+
+def test_an_unknown_case_is_named():
+    with pytest.raises(ValueError, match="case: expected one of batch, single, radius"):
+        batched.methods("batches", problem().device)
+
+
+def test_the_table_takes_medians_over_runs_and_leaves_out_failures():
+    rows = [
+        {"case": "batch", "method": "a", "ms": ms, "run": r}
+        for r, ms in enumerate([3.0, 1.0, 2.0])
+    ]
+    rows.append({"case": "batch", "method": "b", "error": "RuntimeError: no", "run": 0})
+    table = batched.table(rows)
+    assert list(table.index) == [("batch", "a")]
+    assert table.loc[("batch", "a")].tolist() == [2.0, 1.0, 3.0, 3]
