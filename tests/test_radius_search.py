@@ -11,6 +11,7 @@ dtype), which is why the operators return their distances first.
 """
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import extkernels as ek
 from extkernels.ops import registry
+from extkernels.ops.checks import value_checks
 from extkernels.ops.torch.radius_search import radius_search_csr, radius_search_padded
 
 RADIUS = 0.5
@@ -339,6 +341,71 @@ def test_export_runs_and_matches():
         got = program.module()(*args)
         for g, w in zip(got, _Neighbours()(*args), strict=True):
             assert torch.equal(g, w)
+
+
+class _MeanDistance(torch.nn.Module):
+    """Each query's mean distance to its neighbours in its own cloud: code on tensors
+    of the data-dependent size E after the search."""
+
+    def forward(self, p_query, p_ref, query_offsets, ref_offsets):
+        offsets, indices, distances = ek.radius_search(
+            p_query,
+            p_ref,
+            RADIUS,
+            query_offsets=query_offsets,
+            ref_offsets=ref_offsets,
+        )
+        rows = torch.arange(p_query.shape[0], device=p_query.device)
+        rows = rows.repeat_interleave(offsets.diff(), output_size=indices.shape[0])
+        sums = distances.new_zeros(p_query.shape[0]).index_add(0, rows, distances)
+        return sums / offsets.diff().clamp_min(1)
+
+
+def _packed(sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    points = torch.randn(sum(sizes), 3, generator=g)
+    return points, ek.ops.batches.offsets_from_lengths(torch.tensor(sizes))
+
+
+@pytest.mark.slow
+def test_an_aotinductor_package_runs_other_batches(tmp_path):
+    points, offsets = _packed([100, 200], seed=0)
+    n, clouds = torch.export.Dim("n", min=2), torch.export.Dim("clouds", min=2)
+    program = torch.export.export(
+        _MeanDistance(),
+        (points, points, offsets, offsets),
+        dynamic_shapes=({0: n}, {0: n}, {0: clouds}, {0: clouds}),
+    )
+    path = torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp_path / "mean_distance.pt2")
+    )
+    runner = torch._inductor.aoti_load_package(path)
+    for sizes, seed in (([100, 200], 0), ([250, 50, 120], 1)):
+        points, offsets = _packed(sizes, seed)
+        args = (points, points, offsets, offsets)
+        torch.testing.assert_close(runner(*args), _MeanDistance()(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("max_neighbours, syncs", [(None, 1), (8, 0)])
+def test_the_csr_form_waits_for_the_device_once(max_neighbours, syncs):
+    # the one copy to the host that sizes E; the padded form's sizes are its inputs'
+    p_query, p_ref = _clouds("random", "cuda")
+    ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=max_neighbours)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with (
+            value_checks(False),
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=max_neighbours)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = [w for w in caught if "synchronizing" in str(w.message)]
+    assert len(waits) == syncs, [str(w.message) for w in waits]
 
 
 # ------------------------------------------------------------------ bad inputs
