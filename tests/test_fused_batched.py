@@ -260,8 +260,10 @@ def test_the_reference_passes_gradcheck_in_float64():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-def test_cuda_source_compiles(tmp_path):
-    # As test_cpp.py's test of chapter 9's source, with both libraries' headers.
+@pytest.mark.parametrize("source", ["knn_batched_cuda.cu", "radius_search_cuda.cu"])
+def test_cuda_source_compiles(source, tmp_path):
+    # As test_cpp.py's test of chapter 9's source, with both libraries' headers: the
+    # batched kNN's kernel and chapter 16's radius search.
     from torch.utils import cpp_extension
 
     stub = tmp_path / "include" / "c10" / "cuda" / "impl"
@@ -271,9 +273,10 @@ def test_cuda_source_compiles(tmp_path):
     )
     includes = [tmp_path / "include", *cpp_extension.include_paths()]
     includes += [sysconfig.get_paths()["include"], cpp_build.CSRC, build.CSRC]
-    out = tmp_path / "knn_batched_cuda.o"
-    command = ["nvcc", "-std=c++17", "-c", str(build.CSRC / "knn_batched_cuda.cu")]
+    out = tmp_path / "kernel.o"
+    command = ["nvcc", "-std=c++17", "-c", str(build.CSRC / source)]
     command += ["-o", str(out), "-arch=sm_90", *build.defines()]
+    command += ["-O0", "-Xcompiler", "-O0", "-Xcicc", "-O0", "-Xptxas", "-O0"]
     command += [f"-I{p}" for p in includes]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

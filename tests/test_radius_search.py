@@ -10,6 +10,7 @@ operator's first output is a float (the test sums every output into the first on
 dtype), which is why the operators return their distances first.
 """
 
+import functools
 import math
 import warnings
 
@@ -27,6 +28,10 @@ from extkernels.ops.torch.radius_search import radius_search_csr, radius_search_
 RADIUS = 0.5
 #: Pairs this close to the radius may fall either side of it in float32.
 BAND = 1e-5
+
+#: Every backend with a radius search: each passes the tests of exactness, order,
+#: batches, gradients and the compiler below.
+BACKENDS = ek.backends("radius_search")
 
 DEVICES = [
     "cpu",
@@ -90,11 +95,13 @@ def _assert_sorted(rows):
 # ---------------------------------------------------------------- exactness
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["random", "duplicates", "self", "far", "one point"])
-def test_matches_scipy_and_is_sorted(kind, device):
+def test_matches_scipy_and_is_sorted(kind, device, backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_query, p_ref = _clouds(kind, device)
-    offsets, indices, distances = ek.radius_search(p_query, p_ref, RADIUS)
+    offsets, indices, distances = search(p_query, p_ref, RADIUS)
     assert offsets.dtype == indices.dtype == torch.int64
     assert distances.dtype == torch.float32
     assert offsets.shape == (p_query.shape[0] + 1,) and offsets[0] == 0
@@ -104,46 +111,50 @@ def test_matches_scipy_and_is_sorted(kind, device):
     assert sum(len(g) for g, _ in rows) > (0 if kind != "one point" else -1)
 
 
-def test_a_query_with_no_neighbour_has_an_empty_row():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_query_with_no_neighbour_has_an_empty_row(backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_query, p_ref = _clouds("far")
-    offsets, _, _ = ek.radius_search(p_query, p_ref, RADIUS)
+    offsets, _, _ = search(p_query, p_ref, RADIUS)
     assert offsets[3] == offsets[4]
-    indices, distances, counts = ek.radius_search(
-        p_query, p_ref, RADIUS, max_neighbours=4
-    )
+    indices, distances, counts = search(p_query, p_ref, RADIUS, max_neighbours=4)
     assert counts[3] == 0
     assert (indices[3] == -1).all() and torch.isinf(distances[3]).all()
 
 
-def test_the_radius_is_inclusive():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_radius_is_inclusive(backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_ref = torch.tensor([[0.0, 0.0, 0.0], [0.75, 0.0, 0.0], [0.0, 0.5, 0.0]])
     p_query = torch.tensor([[0.0, 0.0, 0.0]])
-    offsets, indices, distances = ek.radius_search(p_query, p_ref, 0.5)
+    offsets, indices, distances = search(p_query, p_ref, 0.5)
     assert indices.tolist() == [0, 2] and distances.tolist() == [0.0, 0.5]
 
 
-def test_duplicates_tie_by_the_lower_index_in_both_forms():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicates_tie_by_the_lower_index_in_both_forms(backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_ref = torch.tensor([[1.0, 0, 0], [0.2, 0, 0], [1.0, 0, 0], [0.2, 0, 0]])
     p_query = torch.zeros(1, 3)
-    _, indices, _ = ek.radius_search(p_query, p_ref, 2.0)
+    _, indices, _ = search(p_query, p_ref, 2.0)
     assert indices.tolist() == [1, 3, 0, 2]
-    padded, _, counts = ek.radius_search(p_query, p_ref, 2.0, max_neighbours=3)
+    padded, _, counts = search(p_query, p_ref, 2.0, max_neighbours=3)
     assert padded.tolist() == [[1, 3, 0]] and counts.tolist() == [3]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_an_empty_reference_cloud_gives_no_neighbours(device):
+def test_an_empty_reference_cloud_gives_no_neighbours(device, backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_query, _ = _clouds("random", device)
     empty = p_query.new_empty(0, 3)
-    offsets, indices, distances = ek.radius_search(p_query, empty, RADIUS)
+    offsets, indices, distances = search(p_query, empty, RADIUS)
     assert offsets.tolist() == [0] * (p_query.shape[0] + 1)
     assert indices.shape == distances.shape == (0,)
-    indices, distances, counts = ek.radius_search(
-        p_query, empty, RADIUS, max_neighbours=2
-    )
+    indices, distances, counts = search(p_query, empty, RADIUS, max_neighbours=2)
     assert (indices == -1).all() and torch.isinf(distances).all()
     assert (counts == 0).all() and indices.shape == (p_query.shape[0], 2)
-    offsets, indices, _ = ek.radius_search(empty, p_query, RADIUS)
+    offsets, indices, _ = search(empty, p_query, RADIUS)
     assert offsets.tolist() == [0] and indices.shape == (0,)
 
 
@@ -165,12 +176,14 @@ def test_chunks_change_nothing():
 # ----------------------------------------------------------- padded and batched
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 3, 40])
-def test_padded_form_is_the_first_k_of_each_row(k, device):
+def test_padded_form_is_the_first_k_of_each_row(k, device, backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_query, p_ref = _clouds("duplicates", device)
-    offsets, indices, distances = ek.radius_search(p_query, p_ref, RADIUS)
-    top, near, counts = ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=k)
+    offsets, indices, distances = search(p_query, p_ref, RADIUS)
+    top, near, counts = search(p_query, p_ref, RADIUS, max_neighbours=k)
     assert top.shape == near.shape == (p_query.shape[0], k)
     assert near.dtype == torch.float32 and top.dtype == counts.dtype == torch.int64
     for i, (got, dist) in enumerate(_rows(offsets, indices, distances)):
@@ -192,10 +205,12 @@ def _batch(device="cpu"):
     return [t.to(device) for t in (p_query, p_ref, q_off, r_off)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_batched_search_stays_in_each_cloud(device):
+def test_batched_search_stays_in_each_cloud(device, backend):
+    search = functools.partial(ek.radius_search, backend=backend)
     p_query, p_ref, q_off, r_off = _batch(device)
-    offsets, indices, distances = ek.radius_search(
+    offsets, indices, distances = search(
         p_query, p_ref, 0.8, query_offsets=q_off, ref_offsets=r_off
     )
     rows = _rows(offsets, indices, distances)
@@ -205,7 +220,7 @@ def test_batched_search_stays_in_each_cloud(device):
         _assert_matches_scipy(p_query[q0:q1], p_ref[r0:r1], cloud, 0.8, shift=int(r0))
     _assert_sorted(rows)
     assert offsets[q_off[1]] == offsets[q_off[2]]  # cloud 1 has no reference point
-    top, _, counts = ek.radius_search(
+    top, _, counts = search(
         p_query, p_ref, 0.8, max_neighbours=4, query_offsets=q_off, ref_offsets=r_off
     )
     for i, (got, _) in enumerate(rows):
@@ -249,14 +264,16 @@ def test_batched_gradcheck():
     )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_float32_gradients_match_float64_and_stay_finite_at_zero(device):
+def test_float32_gradients_match_float64_and_stay_finite_at_zero(device, backend):
+    # the backend's float32 gradients against the torch backend's in float64
     p_query, p_ref = _clouds("self", device)  # every query at distance 0 of itself
     grads = []
-    for dtype in (torch.float32, torch.float64):
+    for dtype, name in ((torch.float32, backend), (torch.float64, "torch")):
         q = p_query.detach().to(dtype).requires_grad_()
         r = p_ref.detach().to(dtype).requires_grad_()
-        _, _, distances = ek.radius_search(q, r, RADIUS)
+        _, _, distances = ek.radius_search(q, r, RADIUS, backend=name)
         (distances * distances.detach().cos()).sum().backward()
         grads.append((q.grad, r.grad))
     for got, want in zip(*grads, strict=True):
@@ -290,6 +307,69 @@ def test_opcheck(padded, device):
     torch.library.opcheck(radius_search_csr, batched)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["random", "duplicates", "self", "far"])
+def test_the_fused_search_gives_the_torch_lists(kind, device):
+    # equal distances tie by the lower index on both: the same lists, not only sets
+    p_query, p_ref = _clouds(kind, device)
+    m, n = p_query.shape[0], p_ref.shape[0]
+    q_off, r_off = torch.tensor([0, m // 3, m]), torch.tensor([0, n // 3, n])
+    for batch in (
+        {},
+        {"query_offsets": q_off.to(device), "ref_offsets": r_off.to(device)},
+    ):
+        for k in (None, 5):
+            theirs = ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=k, **batch)
+            ours = ek.radius_search(
+                p_query, p_ref, RADIUS, max_neighbours=k, backend="fused", **batch
+            )
+            distances = 2 if k is None else 1
+            for i, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+                if i == distances:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+                else:
+                    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padded", [False, True], ids=["csr", "padded"])
+def test_opcheck_of_the_fused_operators(padded, device):
+    ek.backends("radius_search")  # registered
+    registry.get("fused").prepare()
+    ops = torch.ops.extkernels_fused
+    p_query, p_ref = _clouds("duplicates", device)
+    p_query.requires_grad_()
+    p_ref.requires_grad_()
+    q_off, r_off = torch.tensor([0, 30, 70]), torch.tensor([0, 100, 300])
+    batch = (q_off.to(device), r_off.to(device))
+    if padded:
+        torch.library.opcheck(ops.radius_search_padded, (p_query, p_ref, RADIUS, 5))
+        torch.library.opcheck(
+            ops.radius_search_padded, (p_query, p_ref, RADIUS, 5, *batch)
+        )
+    else:
+        torch.library.opcheck(ops.radius_search, (p_query, p_ref, RADIUS))
+        torch.library.opcheck(ops.radius_search, (p_query, p_ref, RADIUS, *batch))
+
+
+def test_the_fused_second_order_matches_the_torch_one():
+    p_query, p_ref = _clouds("random")
+    grads = []
+    for backend in ("torch", "fused"):
+        q, r = p_query.clone().requires_grad_(), p_ref.clone().requires_grad_()
+        _, _, distances = ek.radius_search(q, r, RADIUS, backend=backend)
+        (g,) = torch.autograd.grad((distances**2).sum(), q, create_graph=True)
+        grads.append(torch.autograd.grad(g.pow(2).sum(), (q, r)))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fused_search_takes_float32_only():
+    p_query, p_ref = _clouds("random")
+    with pytest.raises(TypeError, match="p_query: expected dtype torch.float32"):
+        ek.radius_search(p_query.double(), p_ref.double(), RADIUS, backend="fused")
+
+
 def test_the_registry_lists_the_operation_and_its_operator():
     assert "torch" in ek.backends("radius_search")
     torch_backend = registry.get("torch")
@@ -298,25 +378,34 @@ def test_the_registry_lists_the_operation_and_its_operator():
     )
     assert torch_backend.has_autograd("radius_search")
     assert "radius_search" not in registry.OPERATIONS  # the projector's are apart
+    fused = registry.get("fused")
+    assert "fused" in ek.backends("radius_search")
+    assert fused.operator("radius_search") is (
+        torch.ops.extkernels_fused.radius_search.default
+    )
+    assert fused.has_autograd("radius_search")
 
 
-def _loss(p_query, p_ref, weights):
-    offsets, indices, distances = ek.radius_search(p_query, p_ref, RADIUS)
+def _loss(p_query, p_ref, weights, backend="torch"):
+    search = functools.partial(ek.radius_search, backend=backend)
+    offsets, indices, distances = search(p_query, p_ref, RADIUS)
     per_edge = distances * weights[indices]
-    top, near, counts = ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=4)
+    top, near, counts = search(p_query, p_ref, RADIUS, max_neighbours=4)
     padded = torch.where(top >= 0, near, 0.0).sum()
     return per_edge.sum() + padded + offsets[-1] + counts.sum()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compiles_with_fullgraph_and_matches_eager(dynamic, device):
+def test_compiles_with_fullgraph_and_matches_eager(dynamic, device, backend):
     torch._dynamo.reset()
     p_query, p_ref = _clouds("duplicates", device)
     weights = torch.linspace(0.5, 1.5, p_ref.shape[0], device=device)
-    compiled = torch.compile(_loss, fullgraph=True, dynamic=dynamic)
+    loss = functools.partial(_loss, backend=backend)
+    compiled = torch.compile(loss, fullgraph=True, dynamic=dynamic)
     results = []
-    for fn in (_loss, compiled):
+    for fn in (loss, compiled):
         q, r = p_query.clone().requires_grad_(), p_ref.clone().requires_grad_()
         value = fn(q, r, weights)
         results.append((value.detach(), *torch.autograd.grad(value, (q, r))))
@@ -325,21 +414,27 @@ def test_compiles_with_fullgraph_and_matches_eager(dynamic, device):
 
 
 class _Neighbours(torch.nn.Module):
+    def __init__(self, backend="torch"):
+        super().__init__()
+        self.backend = backend
+
     def forward(self, p_query, p_ref):
-        offsets, indices, distances = ek.radius_search(p_query, p_ref, RADIUS)
-        top, _, counts = ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=3)
+        search = functools.partial(ek.radius_search, backend=self.backend)
+        offsets, indices, distances = search(p_query, p_ref, RADIUS)
+        top, _, counts = search(p_query, p_ref, RADIUS, max_neighbours=3)
         return offsets, indices, distances, top, counts
 
 
-def test_export_runs_and_matches():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_export_runs_and_matches(backend):
     p_query, p_ref = _clouds("random")
-    program = torch.export.export(_Neighbours(), (p_query, p_ref))
+    program = torch.export.export(_Neighbours(backend), (p_query, p_ref))
     targets = {str(n.target) for n in program.graph.nodes}
-    assert "extkernels_torch.radius_search.default" in targets
+    assert f"extkernels_{backend}.radius_search.default" in targets
     other_query, other_ref = _clouds("duplicates", seed=1)
     for args in ((p_query, p_ref), (other_query, other_ref)):
         got = program.module()(*args)
-        for g, w in zip(got, _Neighbours()(*args), strict=True):
+        for g, w in zip(got, _Neighbours(backend)(*args), strict=True):
             assert torch.equal(g, w)
 
 
@@ -388,11 +483,14 @@ def test_an_aotinductor_package_runs_other_batches(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("max_neighbours, syncs", [(None, 1), (8, 0)])
-def test_the_csr_form_waits_for_the_device_once(max_neighbours, syncs):
+def test_the_csr_form_waits_for_the_device_once(max_neighbours, syncs, backend):
     # the one copy to the host that sizes E; the padded form's sizes are its inputs'
     p_query, p_ref = _clouds("random", "cuda")
-    ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=max_neighbours)  # warm
+    ek.radius_search(
+        p_query, p_ref, RADIUS, max_neighbours=max_neighbours, backend=backend
+    )  # warm
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -401,7 +499,9 @@ def test_the_csr_form_waits_for_the_device_once(max_neighbours, syncs):
             warnings.catch_warnings(record=True) as caught,
         ):
             warnings.simplefilter("always")
-            ek.radius_search(p_query, p_ref, RADIUS, max_neighbours=max_neighbours)
+            ek.radius_search(
+                p_query, p_ref, RADIUS, max_neighbours=max_neighbours, backend=backend
+            )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     waits = [w for w in caught if "synchronizing" in str(w.message)]

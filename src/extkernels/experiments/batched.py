@@ -4,13 +4,14 @@ processes, beside the alternatives a reader has:
 - ``batch``: 32 clouds of 2,048 points packed with offsets, self kNN with k = 16, by
   each backend's ``ek.knn`` with offsets (one launch where the backend takes the batch,
   a loop over the clouds where it does not), by a Python loop of single-cloud calls,
-  and by PyTorch's brute force on the padded ``(B, P, 3)`` clouds (``cdist`` and
+  by the fused backend's batched brute force (``fused.knn_batched``, one launch) and
+  by PyTorch's brute force on the padded ``(B, P, 3)`` clouds (``cdist`` and
   ``topk``);
-- ``single``: one cloud of 4,096 points, self kNN with k = 32: the default search, the
-  fused backend's batched kernel with one cloud, and the torch brute force;
+- ``single``: one cloud of 4,096 points, self kNN with k = 32: each backend's search
+  and the fused backend's batched brute force on that one cloud;
 - ``radius``: the radius projector's workload (the book's reference cloud and query
-  grid, its radius): ``ek.radius_search`` (CSR, and padded to 64 neighbours) beside
-  ``ek.radius_aggregate``'s forward pass on each backend.
+  grid, its radius): each backend's ``ek.radius_search`` (CSR, and padded to the 64
+  nearest) beside each backend's ``ek.radius_aggregate`` forward pass.
 
     python -m extkernels.experiments.batched bench --repeats 5 --out batched.json
 
@@ -32,7 +33,7 @@ import torch
 
 from .. import fresh
 from ..data import features, query_grid, reference_cloud
-from ..ops import batches, knn, radius_aggregate, radius_search, registry
+from ..ops import batches, fused, knn, radius_aggregate, radius_search, registry
 from ..ops.checks import value_checks
 from ..problem import problem
 from ..provenance import versions
@@ -84,6 +85,18 @@ def methods(case: str, device) -> dict:
     here = [b for b in registry.registered() if b.runs_on(device.type)]
     knn_backends = [b.name for b in here if b.implements("knn")]
     out = {}
+
+    def fused_batched(k, single=False):
+        def build():
+            if single:
+                points = _cloud(s["single"], 0, device)
+                offsets = points.new_tensor([0, points.shape[0]], dtype=torch.int64)
+            else:
+                points, offsets = _batch(s, device)
+            return lambda: fused.knn_batched(points, points, offsets, offsets, k)
+
+        return build
+
     if case == "batch":
         k = s["k"]
 
@@ -114,30 +127,25 @@ def methods(case: str, device) -> dict:
 
         for b in knn_backends:
             out[f"{b}, offsets"] = batched(b)
+        if "fused" in knn_backends:
+            out["fused, knn_batched"] = fused_batched(s["k"])
         for b in knn_backends:
             out[f"{b}, loop of clouds"] = looped(b)
         out["torch, cdist + topk on padded clouds"] = padded
     elif case == "single":
         k = s["k_single"]
 
-        def one(backend, offsets):
+        def one(backend):
             def build():
                 p = _cloud(s["single"], 0, device)
-                o = (
-                    p.new_tensor([0, p.shape[0]], dtype=torch.int64)
-                    if offsets
-                    else None
-                )
-                return lambda: knn(
-                    p, p, k, query_offsets=o, ref_offsets=o, backend=backend
-                )
+                return lambda: knn(p, p, k, backend=backend)
 
             return build
 
         for b in knn_backends:
-            out[b] = one(b, False)
+            out[b] = one(b)
         if "fused" in knn_backends:
-            out["fused, offsets"] = one("fused", True)
+            out["fused, knn_batched"] = fused_batched(k, single=True)
     elif case == "radius":
         prob = problem()
 
@@ -146,11 +154,15 @@ def methods(case: str, device) -> dict:
             p_query = query_grid(prob.grid_side, device=device)
             return p_query, p_ref, features(p_ref.shape[0], 1, device=device)
 
-        def search(max_neighbours):
+        def search(backend, max_neighbours):
             def build():
                 p_query, p_ref, _ = workload()
                 return lambda: radius_search(
-                    p_query, p_ref, prob.radius, max_neighbours=max_neighbours
+                    p_query,
+                    p_ref,
+                    prob.radius,
+                    max_neighbours=max_neighbours,
+                    backend=backend,
                 )
 
             return build
@@ -164,8 +176,10 @@ def methods(case: str, device) -> dict:
 
             return build
 
-        out["radius_search torch, CSR"] = search(None)
-        out["radius_search torch, 64 nearest"] = search(64)
+        for b in here:
+            if b.implements("radius_search"):
+                out[f"radius_search {b.name}, CSR"] = search(b.name, None)
+                out[f"radius_search {b.name}, 64 nearest"] = search(b.name, 64)
         for b in here:
             if b.implements("radius_aggregate"):
                 out[f"radius_aggregate {b.name}, forward"] = aggregate(b.name)

@@ -33,6 +33,7 @@ __all__ = [
     "refuse_position_grads",
     "register_knn_aggregate_autograd",
     "register_knn_autograd",
+    "register_radius_search_autograd",
     "safe_norm",
     "with_position_grads",
     "wants_grad",
@@ -201,6 +202,64 @@ def register_knn_aggregate_autograd(op: str, scatter_kernel: Callable) -> None:
         return grad_query, grad_ref, grad_feats, *others
 
     torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+
+def _csr_setup(ctx, inputs, output):
+    p_query, p_ref, *_ = inputs
+    _, offsets, indices = output
+    ctx.save_for_backward(p_query, p_ref, offsets, indices)
+    ctx.mark_non_differentiable(offsets, indices)
+
+
+def _csr_backward(ctx, grad_distances, _grad_offsets, _grad_indices):
+    p_query, p_ref, offsets, indices = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:2])
+    rows = torch.repeat_interleave(
+        torch.arange(p_query.shape[0], device=p_query.device),
+        offsets.diff(),
+        output_size=indices.shape[0],
+    )
+    # One "query" per edge, one neighbour each: the kNN formula, then each edge's
+    # query gradient summed onto its query.
+    grad_edges, grad_ref = distance_backward(
+        grad_distances.unsqueeze(1), p_query[rows], p_ref, indices.unsqueeze(1), needs
+    )
+    grad_query = None
+    if needs[0]:
+        grad_query = torch.zeros_like(p_query).index_add(0, rows, grad_edges)
+    return grad_query, grad_ref, *(None,) * (len(ctx.needs_input_grad) - 2)
+
+
+def _padded_setup(ctx, inputs, output):
+    p_query, p_ref, *_ = inputs
+    _, indices, counts = output
+    ctx.save_for_backward(p_query, p_ref, indices)
+    ctx.mark_non_differentiable(indices, counts)
+
+
+def _padded_backward(ctx, grad_distances, _grad_indices, _grad_counts):
+    p_query, p_ref, indices = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:2])
+    used = indices >= 0  # unused slots take no gradient
+    grads = distance_backward(
+        torch.where(used, grad_distances, 0.0),
+        p_query,
+        p_ref,
+        indices.clamp_min(0),
+        needs,
+    )
+    return *grads, *(None,) * (len(ctx.needs_input_grad) - 2)
+
+
+def register_radius_search_autograd(csr: str, padded: str) -> None:
+    """The distances' gradients of a radius search's two operators (``p_query`` and
+    ``p_ref`` their first arguments), the neighbours held fixed: ``csr`` returns
+    ``(distances (E,), offsets (M + 1,), indices (E,))``, ``padded`` returns
+    ``(distances (M, K), indices (M, K), counts (M,))``, index -1 in unused slots."""
+    torch.library.register_autograd(csr, _csr_backward, setup_context=_csr_setup)
+    torch.library.register_autograd(
+        padded, _padded_backward, setup_context=_padded_setup
+    )
 
 
 def refuse_position_grads(

@@ -11,6 +11,10 @@ in CUDA C++, for both workloads.
   overlaps by one warp per query (``warp=False``: one thread per (query, feature)); the
   forward hands the grid to the backward as outputs of the operator, so the backward
   does not build it again.
+- ``radius_search`` (chapter 16): the same grid and walk, one thread per query, its
+  neighbours in CSR form (a walk to count them, one copy of their total to the host, a
+  walk to write them) or padded to the ``max_neighbours`` nearest (one walk, no copy);
+  a batch of clouds shares one grid, each query skipping the other clouds' rows.
 
 On the CPU the kNN operators walk the same tree (or run chapter 9's kernels for the
 grid: the lanes are a GPU matter) and the radius operators the same walk in C++. The
@@ -103,6 +107,26 @@ def knn_out(
     ops.check_out(p_query, k, distances, indices)  # metadata only: loads nothing
     _check_queries("knn", p_query)
     _call("knn_out", p_query, p_ref, k, distances, indices, lanes, index)
+
+
+def _radius_search(
+    p_query, p_ref, radius, max_neighbours=None, query_offsets=None, ref_offsets=None
+):
+    """The backend's ``radius_search``: ``extkernels_fused::radius_search`` (CSR) or,
+    with ``max_neighbours``, ``extkernels_fused::radius_search_padded``, in the entry
+    point's order of outputs."""
+    radius, k = ops.check_fused_radius_search(
+        p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets
+    )
+    if k is None:
+        distances, offsets, indices = _call(
+            "radius_search", p_query, p_ref, radius, query_offsets, ref_offsets
+        )
+        return offsets, indices, distances
+    distances, indices, counts = _call(
+        "radius_search_padded", p_query, p_ref, radius, k, query_offsets, ref_offsets
+    )
+    return indices, distances, counts
 
 
 def knn_batched(p_query, p_ref, query_offsets, ref_offsets, k):
@@ -288,13 +312,15 @@ BACKEND = register(
         knn=_knn,
         knn_aggregate=_knn_aggregate,
         radius_aggregate=_radius_aggregate,
+        radius_search=_radius_search,
         operators={
             "knn": "extkernels_fused::knn",
             "knn_aggregate": "extkernels_fused::knn_aggregate_fwd",
             "radius_aggregate": "extkernels_fused::radius_aggregate_fwd",
+            "radius_search": "extkernels_fused::radius_search",
         },
         prepare=load,
-        position_grads=OPERATIONS,
+        position_grads=(*OPERATIONS, "radius_search"),
         library=_library,
         libraries=(*cpp.BACKEND.libraries, "fused"),  # its CPU kernels call chapter 9's
         book=Book(

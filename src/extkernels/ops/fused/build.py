@@ -64,12 +64,13 @@ def defines() -> list[str]:
 
 def sources(cuda: bool) -> list[Path]:
     """The schemas and CPU kernels, and with ``cuda`` the CUDA kernels."""
-    files = [CSRC / "fused.cpp", CSRC / "knn_batched.cpp"]
+    files = [CSRC / "fused.cpp", CSRC / "knn_batched.cpp", CSRC / "radius_search.cpp"]
     cuda_files = [
         "grid_build_cuda.cu",
         "knn_batched_cuda.cu",
         "knn_lanes_cuda.cu",
         "radius_cuda.cu",
+        "radius_search_cuda.cu",
         "positions_cuda.cu",
         "tree_build_cuda.cu",
         "tree_search_cuda.cu",

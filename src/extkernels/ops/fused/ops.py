@@ -23,6 +23,7 @@ from ..checks import (
     check_radius_aggregate,
 )
 from ..cpp import ops as cpp_ops
+from ..neighbour_lists import check_radius_search
 from ..torch import brute_force
 from . import build
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
@@ -37,6 +38,7 @@ __all__ = [
     "check_out",
     "check_queries",
     "check_knn_batched",
+    "check_fused_radius_search",
 ]
 
 _ops = torch.ops.extkernels_fused
@@ -205,6 +207,66 @@ on_load(lambda: cpp_ops.register_knn_autograd("extkernels_fused::knn_aggregate_f
 on_load(lambda: positions.register_knn_autograd("extkernels_fused::knn"))
 # Its indices are rows of the whole p_ref: the same formula holds for a batch.
 on_load(lambda: positions.register_knn_autograd("extkernels_fused::knn_batched"))
+
+
+def check_fused_radius_search(
+    p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets, values=None
+):
+    """The radius search's contract (:func:`~..neighbour_lists.check_radius_search`)
+    on float32 clouds, the kernels' dtype, within their most points. Returns ``(radius,
+    max_neighbours)``."""
+    checked = check_radius_search(
+        p_query,
+        p_ref,
+        radius,
+        max_neighbours,
+        query_offsets,
+        ref_offsets,
+        values=values,
+        dtypes=(torch.float32,),
+    )
+    if p_ref.shape[0]:
+        cpp_ops.check_max_points(p_ref)
+    for name, t in (("query_offsets", query_offsets), ("ref_offsets", ref_offsets)):
+        if t is not None:
+            checks.check_contiguous(name, t)
+    return checked
+
+
+@on_load.register_fake("extkernels_fused::radius_search")
+def _radius_search_fake(p_query, p_ref, radius, query_offsets=None, ref_offsets=None):
+    check_fused_radius_search(
+        p_query, p_ref, radius, None, query_offsets, ref_offsets, values=False
+    )
+    # E is known once the search ran: an unbacked size.
+    edges = torch.library.get_ctx().new_dynamic_size()
+    return (
+        p_query.new_empty(edges),
+        p_query.new_empty(p_query.shape[0] + 1, dtype=torch.int64),
+        p_query.new_empty(edges, dtype=torch.int64),
+    )
+
+
+@on_load.register_fake("extkernels_fused::radius_search_padded")
+def _radius_search_padded_fake(
+    p_query, p_ref, radius, max_neighbours, query_offsets=None, ref_offsets=None
+):
+    _, k = check_fused_radius_search(
+        p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets, values=False
+    )
+    m = p_query.shape[0]
+    return (
+        p_query.new_empty(m, k),
+        p_query.new_empty(m, k, dtype=torch.int64),
+        p_query.new_empty(m, dtype=torch.int64),
+    )
+
+
+on_load(
+    lambda: positions.register_radius_search_autograd(
+        "extkernels_fused::radius_search", "extkernels_fused::radius_search_padded"
+    )
+)
 
 
 @on_load.register_fake("extkernels_fused::radius_aggregate_fwd")

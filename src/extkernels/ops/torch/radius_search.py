@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..neighbour_lists import check_radius_search
-from ..positions import distance_backward
+from ..positions import register_radius_search_autograd
 from .brute_force import _distances, _nearest
 
 __all__ = ["radius_search", "CHUNK_PAIRS"]
@@ -199,58 +199,9 @@ def _(
     )
 
 
-# ------------------------------------------------------------------------ autograd
-
-
-def _csr_setup(ctx, inputs, output):
-    p_query, p_ref, *_ = inputs
-    _, offsets, indices = output
-    ctx.save_for_backward(p_query, p_ref, offsets, indices)
-    ctx.mark_non_differentiable(offsets, indices)
-
-
-def _csr_backward(ctx, grad_distances, _grad_offsets, _grad_indices):
-    p_query, p_ref, offsets, indices = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[:2])
-    rows = torch.repeat_interleave(
-        torch.arange(p_query.shape[0], device=p_query.device),
-        offsets.diff(),
-        output_size=indices.shape[0],
-    )
-    # One "query" per edge, one neighbour each: the kNN formula, then each edge's
-    # query gradient summed onto its query.
-    grad_edges, grad_ref = distance_backward(
-        grad_distances.unsqueeze(1), p_query[rows], p_ref, indices.unsqueeze(1), needs
-    )
-    grad_query = None
-    if needs[0]:
-        grad_query = torch.zeros_like(p_query).index_add(0, rows, grad_edges)
-    return grad_query, grad_ref, *(None,) * (len(ctx.needs_input_grad) - 2)
-
-
-def _padded_setup(ctx, inputs, output):
-    p_query, p_ref, *_ = inputs
-    _, indices, counts = output
-    ctx.save_for_backward(p_query, p_ref, indices)
-    ctx.mark_non_differentiable(indices, counts)
-
-
-def _padded_backward(ctx, grad_distances, _grad_indices, _grad_counts):
-    p_query, p_ref, indices = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[:2])
-    used = indices >= 0  # unused slots take no gradient
-    grads = distance_backward(
-        torch.where(used, grad_distances, 0.0),
-        p_query,
-        p_ref,
-        indices.clamp_min(0),
-        needs,
-    )
-    return *grads, *(None,) * (len(ctx.needs_input_grad) - 2)
-
-
-radius_search_csr.register_autograd(_csr_backward, setup_context=_csr_setup)
-radius_search_padded.register_autograd(_padded_backward, setup_context=_padded_setup)
+register_radius_search_autograd(
+    "extkernels_torch::radius_search", "extkernels_torch::radius_search_padded"
+)
 
 
 def radius_search(
