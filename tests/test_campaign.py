@@ -111,7 +111,12 @@ def test_the_plan_times_each_variant_once_and_executes_every_page():
     kinds = [
         n.split(":")[0] for n in names if not n.startswith(("chapter", "dist", "nbval"))
     ]
-    assert kinds == sorted(kinds, key=["geometry", "tests", "bench"].index)
+    assert kinds == sorted(kinds, key=["geometry", "tests", "bench", "batched"].index)
+    from extkernels.experiments import batched
+
+    assert {n for n in names if n.startswith("batched:")} == {
+        f"batched:{case}" for case in batched.CASES
+    }
     assert [j.name for j in jobs if j.gpus == -1] == [
         "distributed:knn",
         "distributed:radius",
@@ -193,6 +198,22 @@ def test_files_are_named_by_the_gpu_their_runs_came_from(tmp_path):
     assert [f.name for f in data.glob("*.json")] == ["benchmark-b200.json"]
 
 
+def test_the_batched_cases_make_one_file(tmp_path):
+    parts = tmp_path / "parts" / "batched"
+    parts.mkdir(parents=True)
+    meta = {"hardware": "NVIDIA B200", "repeats": 2, "versions": {}}
+    for case in ("batch", "radius"):
+        runs = [{"case": case, "method": "m", "ms": 1.0 + r, "run": r} for r in (0, 1)]
+        (parts / f"{case}.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+    data = tmp_path / "data"
+    data.mkdir()
+    datafiles.write_files(tmp_path, data)
+    written = json.loads((data / "batched-b200.json").read_text())
+    assert written["meta"] == meta
+    assert sorted({r["case"] for r in written["runs"]}) == ["batch", "radius"]
+    assert len(written["runs"]) == 4
+
+
 def test_runs_from_two_gpus_make_no_file(tmp_path):
     parts = tmp_path / "parts" / "bench"
     parts.mkdir(parents=True)
@@ -240,7 +261,7 @@ def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
         pytest.skip("no campaign in progress")
     status = json.loads((root / "status.json").read_text())
     assert {s["state"] for s in status.values()} <= {"ok"}
-    measuring = ("bench", "geometry", "distributed")
+    measuring = ("bench", "geometry", "distributed", "batched")
     parts = {
         f"{p.parent.name}:{p.stem.replace('__', '/')}": p
         for p in (root / "parts").rglob("*.json")

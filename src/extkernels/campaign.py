@@ -7,7 +7,8 @@ machine and the campaign's dates).
     python -m extkernels.campaign status --out campaign
 
 A job is one command of the book (the benchmark command for one variant, chapter 14's
-geometry command for one method, chapter 13's distributed command, ``pytest -m gpu`` on
+geometry command for one method, chapter 16's batched command for one case, chapter 13's
+distributed command, ``pytest -m gpu`` on
 a share of the test files, the execution command for one chapter) and runs alone on its
 GPU (``CUDA_VISIBLE_DEVICES``), so that its timings see no neighbour; a job that needs
 every GPU (chapter 13) waits until the others are done and runs alone. Phases are
@@ -39,7 +40,7 @@ import torch
 from . import clouds
 from . import variants as V
 from .datafiles import bench_part, part_slug, write_files
-from .experiments import geometry
+from .experiments import batched, geometry
 
 __all__ = ["Job", "plan", "select", "run_jobs", "write_files", "main"]
 
@@ -117,6 +118,11 @@ def plan(
     part = "parts/geometry/traits.json"
     traits = _py("extkernels.experiments.traits", "--out", part)
     jobs.append(Job("geometry:traits", traits, 0, produces=part))
+    b = _py("extkernels.experiments.batched", "bench", "--repeats", str(repeats))
+    for case in batched.CASES:
+        part = f"parts/batched/{case}.json"
+        argv = [*b, "--cases", case, "--out", part]
+        jobs.append(Job(f"batched:{case}", argv, 0, produces=part))
     tests = sorted(str(p) for p in Path("tests").glob("test_*.py"))
     for i in range(test_shards):
         share = tests[i::test_shards]
@@ -145,7 +151,7 @@ def plan(
         jobs.append(
             Job(f"nbval:{nb.stem}", argv, 4 if multi else 5, -1 if multi else 1)
         )
-    first = ("geometry:", "tests:", "bench:")  # the longest first
+    first = ("geometry:", "tests:", "bench:", "batched:")  # the longest first
     return sorted(
         jobs,
         key=lambda j: (

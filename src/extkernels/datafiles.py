@@ -11,6 +11,7 @@ from pathlib import Path
 from . import benchmark
 from . import variants as V
 from .distributed import command
+from .experiments import batched
 from .provenance import BOOK_HARDWARE, data_file
 from .searches import merge_into
 
@@ -63,9 +64,10 @@ def hardware_of(pieces: list[Path]) -> str:
 def write_files(out: Path, data: Path) -> list[str]:
     """The book's data files (in ``data``) from the campaign's parts: the benchmark's
     three files (each variant's runs in the file of its chapter, and copied where
-    :data:`BESIDE` shows it), the geometry file and the distributed file, each named by
-    the GPU the parts ran on (:func:`hardware_of`: one GPU, or an error). A file is
-    written only from parts that exist. Returns the variants whose part is missing."""
+    :data:`BESIDE` shows it), the geometry file, chapter 16's batched file and the
+    distributed file, each named by the GPU the parts ran on (:func:`hardware_of`: one
+    GPU, or an error). A file is written only from parts that exist. Returns the
+    variants whose part is missing."""
     parts = out / "parts"
     found = {
         v.name: out / bench_part(v.name)
@@ -75,7 +77,8 @@ def write_files(out: Path, data: Path) -> list[str]:
     missing = [v.name for v in V.VARIANTS if v.available() and v.name not in found]
     files: dict[str, list[Path]] = {}
     geometry_pieces = sorted((parts / "geometry").glob("*.json"))
-    measured = [*found.values(), *geometry_pieces]
+    batched_pieces = sorted((parts / "batched").glob("*.json"))
+    measured = [*found.values(), *geometry_pieces, *batched_pieces]
     hardware = hardware_of(measured) if measured else BOOK_HARDWARE
     for v in V.VARIANTS:
         if v.name in found:
@@ -92,6 +95,9 @@ def write_files(out: Path, data: Path) -> list[str]:
         target.unlink(missing_ok=True)
         for piece in pieces:
             merge_into(str(target), json.loads(piece.read_text()))
+    if batched_pieces:
+        merged = batched.merge([json.loads(p.read_text()) for p in batched_pieces])
+        (data / data_file("batched", hardware)).write_text(json.dumps(merged, indent=1))
     pieces = sorted((parts / "distributed").glob("*.json"))
     if pieces:
         merged = command.merge([str(p) for p in pieces])

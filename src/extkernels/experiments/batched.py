@@ -39,7 +39,17 @@ from ..problem import problem
 from ..provenance import versions
 from ..timing import time_blocks, time_fn
 
-__all__ = ["CASES", "sizes", "methods", "time_case", "bench", "table", "load", "main"]
+__all__ = [
+    "CASES",
+    "sizes",
+    "methods",
+    "time_case",
+    "bench",
+    "table",
+    "load",
+    "merge",
+    "main",
+]
 
 #: The cases, in the order the chapter shows them.
 CASES = ("batch", "single", "radius")
@@ -251,6 +261,15 @@ def load(path) -> tuple[dict, pd.DataFrame]:
     """This command's JSON: its meta and the timing table (:func:`table`)."""
     data = json.loads(Path(path).read_text())
     return data["meta"], table(data["runs"])
+
+
+def merge(pieces: list[dict]) -> dict:
+    """One file of this command from several (a campaign's job per case): the first
+    piece's meta and every piece's runs."""
+    if not pieces:
+        raise ValueError("pieces: expected at least one file of this command")
+    runs = [row for piece in pieces for row in piece["runs"]]
+    return {"meta": pieces[0]["meta"], "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
