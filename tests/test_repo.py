@@ -113,9 +113,9 @@ def test_glued_values_are_plain_python(path):
 
 
 #: Calls that read the book's committed data files (the benchmark's, chapter 14's
-#: geometry and traits, chapter 13's distributed runs).
+#: geometry and traits, chapter 13's distributed runs, chapter 16's batched runs).
 DATA_READERS = re.compile(
-    r"\b(results\.(recorded|load)|geometry\.load|report\.load|traits\.load)\("
+    r"\b(results\.(recorded|load)|(geometry|report|traits|batched)\.load)\("
 )
 
 
