@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,32 @@ def devices(gpu_ok: bool | None = None, reason: str = "needs CUDA") -> list:
 
 #: The CPU, and the GPU where there is one (marked `gpu`).
 DEVICES = devices()
+
+
+def nvcc_compiles(
+    source: Path, folders: list[Path], flags: list[str], tmp: Path
+) -> None:
+    """Compile the CUDA ``source`` for sm_90 with ``nvcc``, without optimising (a check
+    that it compiles: optimising would only add time), against PyTorch's headers and
+    ``folders``; fail with nvcc's errors."""
+    from torch.utils import cpp_extension
+
+    # PyTorch's CPU wheels ship the CUDA headers but not the one that their CMake
+    # build generates; an equivalent stands in for it.
+    stub = tmp / "include" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text(
+        "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+    )
+    includes = [tmp / "include", *cpp_extension.include_paths()]
+    includes += [sysconfig.get_paths()["include"], *folders]
+    out = tmp / "kernels.o"
+    command = ["nvcc", "-std=c++17", "-c", str(source), "-o", str(out), "-arch=sm_90"]
+    command += [*flags, "-O0", "-Xcompiler", "-O0", "-Xcicc", "-O0", "-Xptxas", "-O0"]
+    command += [f"-I{p}" for p in includes]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert out.stat().st_size > 0
 
 
 def toc_files() -> list[str]:

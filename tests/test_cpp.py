@@ -7,12 +7,10 @@ syntax error in it never waits for a GPU."""
 import math
 import os
 import shutil
-import subprocess
-import sysconfig
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, nvcc_compiles
 
 cKDTree = pytest.importorskip("scipy.spatial").cKDTree
 
@@ -280,25 +278,7 @@ def test_forward_and_backward_replay_in_one_cuda_graph(ops):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_cuda_source_compiles(tmp_path):
-    from torch.utils import cpp_extension
-
-    # PyTorch's CPU wheels ship the CUDA headers but not the one that their CMake
-    # build generates; an equivalent stands in for it.
-    stub = tmp_path / "include" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text(
-        "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
-    )
-    includes = [tmp_path / "include", *cpp_extension.include_paths()]
-    includes.append(sysconfig.get_paths()["include"])
-    command = ["nvcc", "-std=c++17", "-c", str(build.CSRC / "knn_cuda.cu")]
-    command += ["-o", str(tmp_path / "knn_cuda.o"), "-arch=sm_90"]
-    # a check that it compiles: optimising host and device code would only add time
-    command += ["-O0", "-Xcompiler", "-O0", "-Xcicc", "-O0", "-Xptxas", "-O0"]
-    command += [f"-I{p}" for p in includes]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert (tmp_path / "knn_cuda.o").stat().st_size > 0
+    nvcc_compiles(build.CSRC / "knn_cuda.cu", [], [], tmp_path)
 
 
 def test_stable_coverage_lists_the_aten_calls_of_the_sources():

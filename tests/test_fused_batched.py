@@ -5,13 +5,11 @@ compiled form and its gradients in both clouds; and its CUDA source compiled by
 ``nvcc`` where it is installed (the kernel itself runs in the `gpu` variants)."""
 
 import shutil
-import subprocess
-import sysconfig
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, nvcc_compiles
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
@@ -264,23 +262,8 @@ def test_cuda_sources_compile(tmp_path):
     # As test_cpp.py's test of chapter 9's source, with both libraries' headers: the
     # batched kNN's kernel and chapter 16's radius search, as one translation unit (the
     # headers are read once).
-    from torch.utils import cpp_extension
-
-    stub = tmp_path / "include" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text(
-        "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
-    )
     sources = ["knn_batched_cuda.cu", "radius_search_cuda.cu"]
     both = tmp_path / "both.cu"
     both.write_text("".join(f'#include "{build.CSRC / s}"\n' for s in sources))
-    includes = [tmp_path / "include", *cpp_extension.include_paths()]
-    includes += [sysconfig.get_paths()["include"], cpp_build.CSRC, build.CSRC]
-    out = tmp_path / "kernels.o"
-    command = ["nvcc", "-std=c++17", "-c", str(both)]
-    command += ["-o", str(out), "-arch=sm_90", *build.defines()]
-    command += ["-O0", "-Xcompiler", "-O0", "-Xcicc", "-O0", "-Xptxas", "-O0"]
-    command += [f"-I{p}" for p in includes]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert out.stat().st_size > 0
+    folders = [cpp_build.CSRC, build.CSRC]
+    nvcc_compiles(both, folders, build.defines(), tmp_path)

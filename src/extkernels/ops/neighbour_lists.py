@@ -26,6 +26,8 @@ __all__ = [
     "check_points",
     "check_radius_search",
     "check_max_neighbours",
+    "fake_csr",
+    "fake_padded",
 ]
 
 #: The dtypes of the clouds a radius search takes.
@@ -112,3 +114,28 @@ def check_radius_search(
                 )
     check_finite(values, p_query=p_query, p_ref=p_ref)
     return radius, max_neighbours
+
+
+def fake_csr(p_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CSR radius search's outputs for a fake, as its operators order them:
+    ``distances (E,)``, ``offsets (M + 1,)``, ``indices (E,)``. ``E`` is known once the
+    search ran: an unbacked size (``new_dynamic_size()``)."""
+    edges = torch.library.get_ctx().new_dynamic_size()
+    return (
+        p_query.new_empty(edges),
+        p_query.new_empty(p_query.shape[0] + 1, dtype=torch.int64),
+        p_query.new_empty(edges, dtype=torch.int64),
+    )
+
+
+def fake_padded(
+    p_query: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded radius search's outputs for a fake: ``distances (M, K)``, ``indices
+    (M, K)``, ``counts (M,)``."""
+    m = p_query.shape[0]
+    return (
+        p_query.new_empty(m, k),
+        p_query.new_empty(m, k, dtype=torch.int64),
+        p_query.new_empty(m, dtype=torch.int64),
+    )

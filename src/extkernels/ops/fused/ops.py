@@ -23,7 +23,7 @@ from ..checks import (
     check_radius_aggregate,
 )
 from ..cpp import ops as cpp_ops
-from ..neighbour_lists import check_radius_search
+from ..neighbour_lists import check_radius_search, fake_csr, fake_padded
 from ..torch import brute_force
 from . import build
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
@@ -238,13 +238,7 @@ def _radius_search_fake(p_query, p_ref, radius, query_offsets=None, ref_offsets=
     check_fused_radius_search(
         p_query, p_ref, radius, None, query_offsets, ref_offsets, values=False
     )
-    # E is known once the search ran: an unbacked size.
-    edges = torch.library.get_ctx().new_dynamic_size()
-    return (
-        p_query.new_empty(edges),
-        p_query.new_empty(p_query.shape[0] + 1, dtype=torch.int64),
-        p_query.new_empty(edges, dtype=torch.int64),
-    )
+    return fake_csr(p_query)
 
 
 @on_load.register_fake("extkernels_fused::radius_search_padded")
@@ -254,12 +248,7 @@ def _radius_search_padded_fake(
     _, k = check_fused_radius_search(
         p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets, values=False
     )
-    m = p_query.shape[0]
-    return (
-        p_query.new_empty(m, k),
-        p_query.new_empty(m, k, dtype=torch.int64),
-        p_query.new_empty(m, dtype=torch.int64),
-    )
+    return fake_padded(p_query, k)
 
 
 on_load(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..neighbour_lists import check_radius_search
+from ..neighbour_lists import check_radius_search, fake_csr, fake_padded
 from ..positions import register_radius_search_autograd
 from .brute_force import _distances, _nearest
 
@@ -132,15 +132,7 @@ def _(p_query, p_ref, radius, query_offsets=None, ref_offsets=None, chunk_size=N
     check_radius_search(
         p_query, p_ref, radius, None, query_offsets, ref_offsets, values=False
     )
-    m = p_query.shape[0]
-    # E is known once the search ran: an unbacked size.
-    edges = torch.library.get_ctx().new_dynamic_size()
-    offsets = p_query.new_empty(m + 1, dtype=torch.int64)
-    return (
-        p_query.new_empty(edges),
-        offsets,
-        p_query.new_empty(edges, dtype=torch.int64),
-    )
+    return fake_csr(p_query)
 
 
 @torch.library.custom_op(
@@ -191,12 +183,7 @@ def _(
     _, k = check_radius_search(
         p_query, p_ref, radius, max_neighbours, query_offsets, ref_offsets, values=False
     )
-    m = p_query.shape[0]
-    return (
-        p_query.new_empty(m, k),
-        p_query.new_empty(m, k, dtype=torch.int64),
-        p_query.new_empty(m, dtype=torch.int64),
-    )
+    return fake_padded(p_query, k)
 
 
 register_radius_search_autograd(

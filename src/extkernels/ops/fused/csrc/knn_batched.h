@@ -41,18 +41,24 @@ inline void check_offsets_meta(const at::Tensor& offsets, const char* name,
   check_same_device(p_query, "p_query", offsets, name);
 }
 
-// Everything that the shapes tell: the clouds, both offsets, as many clouds of queries as
-// of reference points, 1 <= k <= kMaxK. The sizes of the clouds are values (below).
-inline void check_knn_batched(const at::Tensor& p_query, const at::Tensor& p_ref,
-                              const at::Tensor& query_offsets,
-                              const at::Tensor& ref_offsets, int64_t k) {
-  check_clouds(p_query, p_ref);
+// Both offsets' metadata, and as many clouds of queries as of reference points.
+inline void check_batch_meta(const at::Tensor& query_offsets, const at::Tensor& ref_offsets,
+                             const at::Tensor& p_query) {
   check_offsets_meta(query_offsets, "query_offsets", p_query);
   check_offsets_meta(ref_offsets, "ref_offsets", p_query);
   TORCH_CHECK_VALUE(query_offsets.size(0) == ref_offsets.size(0),
                     msg("query_offsets, ref_offsets: expected as many clouds of queries "
                         "as of reference points, got ", query_offsets.size(0) - 1, " and ",
                         ref_offsets.size(0) - 1));
+}
+
+// Everything that the shapes tell: the clouds, both offsets, as many clouds of queries as
+// of reference points, 1 <= k <= kMaxK. The sizes of the clouds are values (below).
+inline void check_knn_batched(const at::Tensor& p_query, const at::Tensor& p_ref,
+                              const at::Tensor& query_offsets,
+                              const at::Tensor& ref_offsets, int64_t k) {
+  check_clouds(p_query, p_ref);
+  check_batch_meta(query_offsets, ref_offsets, p_query);
   TORCH_CHECK_VALUE(k >= 1 && k <= kMaxK,
                     msg("k: expected 1 <= k <= ", kMaxK,
                         " (the C++ kernels keep at most that many neighbours), got ", k));

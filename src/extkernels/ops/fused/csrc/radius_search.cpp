@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -60,11 +59,8 @@ SearchOut radius_search_cpu(const at::Tensor& p_query, const at::Tensor& p_ref,
   const Batch batch = check_radius_search(p_query, p_ref, radius, query_offsets,
                                           ref_offsets, /*values=*/true);
   const int64_t m = p_query.size(0);
+  if (m == 0 || p_ref.size(0) == 0) return empty_csr(p_query);
   at::Tensor offsets = at::zeros({m + 1}, p_query.options().dtype(at::kLong));
-  if (m == 0 || p_ref.size(0) == 0) {
-    return {at::empty({0}, p_query.options()), offsets,
-            at::empty({0}, offsets.options())};
-  }
   int64_t* o = offsets.data_ptr<int64_t>();
   walk_queries(p_query, p_ref, radius, batch, [&](int64_t row, auto&& walk) {
     int64_t count = 0;
@@ -94,10 +90,7 @@ SearchOut radius_search_padded_cpu(const at::Tensor& p_query, const at::Tensor& 
                                           ref_offsets, /*values=*/true);
   check_max_neighbours(max_neighbours);
   const int64_t m = p_query.size(0), k = max_neighbours;
-  at::Tensor distances =
-      at::full({m, k}, std::numeric_limits<float>::infinity(), p_query.options());
-  at::Tensor indices = at::full({m, k}, -1, p_query.options().dtype(at::kLong));
-  at::Tensor counts = at::zeros({m}, indices.options());
+  auto [distances, indices, counts] = unfilled_padded(p_query, k);
   if (m == 0 || p_ref.size(0) == 0) return {distances, indices, counts};
   float* d = distances.data_ptr<float>();
   int64_t* idx = indices.data_ptr<int64_t>();

@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
+#include <tuple>
 
 #include "checks.h"
 #include "knn_batched.h"
@@ -61,12 +63,7 @@ inline Batch check_radius_search(const at::Tensor& p_query, const at::Tensor& p_
   Batch batch;
   if (query_offsets.has_value()) {
     const at::Tensor &qo = *query_offsets, &ro = *ref_offsets;
-    check_offsets_meta(qo, "query_offsets", p_query);
-    check_offsets_meta(ro, "ref_offsets", p_query);
-    TORCH_CHECK_VALUE(qo.size(0) == ro.size(0),
-                      msg("query_offsets, ref_offsets: expected as many clouds of queries "
-                          "as of reference points, got ", qo.size(0) - 1, " and ",
-                          ro.size(0) - 1));
+    check_batch_meta(qo, ro, p_query);
     if (values && value_checks_flag()) {
       // k = 0: a cloud without reference points is allowed (its queries find none)
       check_batch_values(qo.cpu(), ro.cpu(), p_query.size(0), p_ref.size(0), 0);
@@ -77,6 +74,22 @@ inline Batch check_radius_search(const at::Tensor& p_query, const at::Tensor& p_
     check_finite(p_query, p_ref, /*capturing=*/false);
   }
   return batch;
+}
+
+// The outputs of a search that finds nothing (no query, or no reference point) and the
+// padded form's before its walk: CSR (distances (0,), offsets of zeros (M + 1,), rows
+// (0,)); padded (distances +inf (M, K), rows -1 (M, K), counts 0 (M,)).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_csr(const at::Tensor& p_query) {
+  at::Tensor offsets = at::zeros({p_query.size(0) + 1}, p_query.options().dtype(at::kLong));
+  return {at::empty({0}, p_query.options()), offsets, at::empty({0}, offsets.options())};
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> unfilled_padded(
+    const at::Tensor& p_query, int64_t k) {
+  const int64_t m = p_query.size(0);
+  at::Tensor indices = at::full({m, k}, -1, p_query.options().dtype(at::kLong));
+  return {at::full({m, k}, std::numeric_limits<float>::infinity(), p_query.options()),
+          indices, at::zeros({m}, indices.options())};
 }
 
 }  // namespace extkernels

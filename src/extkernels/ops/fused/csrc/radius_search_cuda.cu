@@ -14,7 +14,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -101,11 +100,8 @@ SearchOut radius_search_cuda(const at::Tensor& p_query, const at::Tensor& p_ref,
   const Batch batch = check_radius_search(p_query, p_ref, radius, query_offsets,
                                           ref_offsets, /*values=*/!capturing());
   const int64_t m = p_query.size(0);
+  if (m == 0 || p_ref.size(0) == 0) return empty_csr(p_query);
   at::Tensor offsets = at::zeros({m + 1}, p_query.options().dtype(at::kLong));
-  if (m == 0 || p_ref.size(0) == 0) {
-    return {at::empty({0}, p_query.options()), offsets,
-            at::empty({0}, offsets.options())};
-  }
   SavedGrid grid;
   const Walk w = walk_of(p_query, p_ref, radius, batch, grid);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -133,10 +129,7 @@ SearchOut radius_search_padded_cuda(const at::Tensor& p_query, const at::Tensor&
                                           ref_offsets, /*values=*/!capturing());
   check_max_neighbours(max_neighbours);
   const int64_t m = p_query.size(0), k = max_neighbours;
-  at::Tensor distances =
-      at::full({m, k}, std::numeric_limits<float>::infinity(), p_query.options());
-  at::Tensor indices = at::full({m, k}, -1, p_query.options().dtype(at::kLong));
-  at::Tensor counts = at::zeros({m}, indices.options());
+  auto [distances, indices, counts] = unfilled_padded(p_query, k);
   if (m == 0 || p_ref.size(0) == 0) return {distances, indices, counts};
   SavedGrid grid;
   const Walk w = walk_of(p_query, p_ref, radius, batch, grid);
