@@ -227,3 +227,27 @@ def test_compare_names_what_it_cannot_compare():
         timing.compare(df, {"x": ("a", "b")})
     with pytest.raises(ValueError, match="metric"):
         timing.compare(df, {"x": ("a", "a")}, "backward")
+
+
+def test_a_budget_times_checked_once_then_unchecked_blocks():
+    from extkernels.ops.checks import value_checks_on
+
+    seen = []
+    ms, lo, hi, n_iters = timing.time_within_budget(
+        lambda: seen.append(value_checks_on()), budget_ms=1e9, most=4, repeats=3
+    )
+    assert n_iters == 4  # the budget allows more: the most
+    # the first call's checked, then every block's (with the timer's warm-ups) not
+    assert seen[0] and seen == sorted(seen, reverse=True)
+    assert seen.count(False) >= 3 * 4
+    assert lo <= ms <= hi
+
+
+def test_the_runs_table_keeps_the_order_first_met():
+    rows = [
+        {"case": c, "method": m, "ms": v}
+        for c, m, v in [("b", "x", 3.0), ("a", "y", 1.0), ("b", "x", 1.0)]
+    ]
+    table = timing.runs_table(rows, ["case", "method"])
+    assert list(table.index) == [("b", "x"), ("a", "y")]
+    assert table.loc[("b", "x")].tolist() == [2.0, 1.0, 3.0, 2]

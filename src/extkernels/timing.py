@@ -35,6 +35,8 @@ __all__ = [
     "make_train_step",
     "time_fn",
     "time_blocks",
+    "time_within_budget",
+    "runs_table",
     "device_quantiles",
     "time_projector",
     "first_call_seconds",
@@ -81,6 +83,32 @@ def time_blocks(
     (:func:`time_fn` each): the median block, the fastest and the slowest."""
     times = sorted(time_fn(fn, n_iters) for _ in range(repeats))
     return times[len(times) // 2], times[0], times[-1]
+
+
+def time_within_budget(
+    fn: Callable[[], object],
+    budget_ms: float,
+    most: int,
+    repeats: int = 3,
+) -> tuple[float, float, float, int]:
+    """:func:`time_blocks` of ``fn`` in blocks about ``budget_ms`` long (at least one
+    call, at most ``most``), after a first call with every input check, as a first call
+    runs; the timed calls skip the value checks, as in every chapter. Returns the median
+    block, the fastest, the slowest and the calls per block."""
+    once = time_fn(fn, 1)
+    n_iters = max(1, min(most, int(budget_ms / max(once, 1e-3))))
+    with value_checks(False):
+        ms, lo, hi = time_blocks(fn, n_iters, repeats=repeats)
+    return ms, lo, hi, n_iters
+
+
+def runs_table(rows: list[dict], keys: list[str], value: str = "ms") -> pd.DataFrame:
+    """One row per ``keys``, in the order first met: the median of the runs' ``value``,
+    their fastest and slowest, and the number of runs."""
+    g = pd.DataFrame(rows).groupby(keys, sort=False)[value]
+    return pd.DataFrame(
+        {value: g.median(), "min": g.min(), "max": g.max(), "runs": g.size()}
+    )
 
 
 def device_quantiles(

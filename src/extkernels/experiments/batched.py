@@ -38,10 +38,9 @@ import torch
 from .. import fresh
 from ..data import features, query_grid, reference_cloud
 from ..ops import batches, fused, knn, radius_aggregate, radius_search, registry
-from ..ops.checks import value_checks
 from ..problem import problem
 from ..provenance import versions
-from ..timing import time_blocks, time_fn
+from ..timing import runs_table, time_within_budget
 
 __all__ = [
     "CASES",
@@ -243,10 +242,7 @@ def time_case(case: str, n_blocks: int = 5, budget_ms: float = 200) -> list[dict
         try:
             fn = build()
             with torch.no_grad():
-                once = time_fn(fn, 1)  # every input check, as a first call runs
-                n_iters = max(1, min(200, int(budget_ms / max(once, 1e-3))))
-                with value_checks(False):
-                    ms, lo, hi = time_blocks(fn, n_iters, repeats=n_blocks)
+                ms, lo, hi, n_iters = time_within_budget(fn, budget_ms, 200, n_blocks)
         except Exception as e:  # noqa: BLE001  (named in the table, not timed)
             rows.append(
                 {"case": case, "method": name, "error": f"{type(e).__name__}: {e}"}
@@ -283,13 +279,8 @@ def bench(cases=CASES, *, repeats: int = 5) -> list[dict]:
 def table(rows: list[dict]) -> pd.DataFrame:
     """One row per (case, method): the median of the runs' milliseconds, their fastest
     and slowest, and the number of runs; methods that raised are left out."""
-    df = pd.DataFrame(rows)
-    if "error" in df:
-        df = df[df["error"].isna()]
-    g = df.groupby(["case", "method"], sort=False)["ms"]
-    return pd.DataFrame(
-        {"ms": g.median(), "min": g.min(), "max": g.max(), "runs": g.size()}
-    )
+    timed = [row for row in rows if "error" not in row]
+    return runs_table(timed, ["case", "method"])
 
 
 def load(path) -> tuple[dict, pd.DataFrame]:

@@ -32,12 +32,11 @@ import torch
 
 from .. import clouds, fresh, reference
 from ..ops import fused
-from ..ops.checks import value_checks
 from ..problem import problem
 from ..provenance import versions
 from ..results import at_size
 from ..searches import LIBRARIES, RADIUS, merge_into, search_methods, searcher
-from ..timing import time_blocks, time_fn
+from ..timing import runs_table, time_within_budget
 
 __all__ = [
     "LIBRARIES",
@@ -113,10 +112,7 @@ def time_method(
         for n in sizes:
             w = clouds.workload(name, n, side=side, device=device)
             fn = searcher(method, w, k)
-            once = time_fn(fn, 1)  # with every input check, as a first call runs
-            n_iters = max(1, min(10, int(budget_ms / max(once, 1e-3))))
-            with value_checks(False):  # timed as in every chapter (timing module)
-                ms, lo, hi = time_blocks(fn, n_iters, repeats=3)
+            ms, lo, hi, n_iters = time_within_budget(fn, budget_ms, 10)
             rows.append(
                 {
                     "geometry": name,
@@ -168,11 +164,7 @@ def bench(
 def table(rows: list[dict]) -> pd.DataFrame:
     """One row per (geometry, n, method): the median of the runs' times and their
     spread, in ms."""
-    df = pd.DataFrame(rows)
-    g = df.groupby(["geometry", "n", "method"], sort=False)["ms"]
-    return pd.DataFrame(
-        {"ms": g.median(), "min": g.min(), "max": g.max(), "runs": g.size()}
-    )
+    return runs_table(rows, ["geometry", "n", "method"])
 
 
 def load(path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
