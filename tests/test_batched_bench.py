@@ -32,6 +32,23 @@ def test_every_knn_method_finds_the_same_neighbours(case):
         torch.testing.assert_close(d, reference, rtol=1e-5, atol=atol, msg=name)
 
 
+def test_the_crossover_compares_like_with_like():
+    device = problem().device
+    found = {
+        name: _distances(build()())
+        for name, build in batched.methods("crossover", device).items()
+    }
+    sizes = {name.split(",")[0] for name in found}
+    assert len(sizes) >= 2
+    for size in sizes:
+        torch.testing.assert_close(
+            found[f"{size}, fused, knn_batched"],
+            found[f"{size}, fused, loop of clouds"],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
 def test_radius_methods_are_the_search_and_the_aggregations():
     device = problem().device
     names = set(batched.methods("radius", device))
@@ -42,7 +59,9 @@ def test_radius_methods_are_the_search_and_the_aggregations():
 
 
 def test_an_unknown_case_is_named():
-    with pytest.raises(ValueError, match="case: expected one of batch, single, radius"):
+    with pytest.raises(
+        ValueError, match="case: expected one of batch, single, crossover, radius"
+    ):
         batched.methods("batches", problem().device)
 
 

@@ -260,10 +260,10 @@ def test_the_reference_passes_gradcheck_in_float64():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-@pytest.mark.parametrize("source", ["knn_batched_cuda.cu", "radius_search_cuda.cu"])
-def test_cuda_source_compiles(source, tmp_path):
+def test_cuda_sources_compile(tmp_path):
     # As test_cpp.py's test of chapter 9's source, with both libraries' headers: the
-    # batched kNN's kernel and chapter 16's radius search.
+    # batched kNN's kernel and chapter 16's radius search, as one translation unit (the
+    # headers are read once).
     from torch.utils import cpp_extension
 
     stub = tmp_path / "include" / "c10" / "cuda" / "impl"
@@ -271,10 +271,13 @@ def test_cuda_source_compiles(source, tmp_path):
     (stub / "cuda_cmake_macros.h").write_text(
         "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
     )
+    sources = ["knn_batched_cuda.cu", "radius_search_cuda.cu"]
+    both = tmp_path / "both.cu"
+    both.write_text("".join(f'#include "{build.CSRC / s}"\n' for s in sources))
     includes = [tmp_path / "include", *cpp_extension.include_paths()]
     includes += [sysconfig.get_paths()["include"], cpp_build.CSRC, build.CSRC]
-    out = tmp_path / "kernel.o"
-    command = ["nvcc", "-std=c++17", "-c", str(build.CSRC / source)]
+    out = tmp_path / "kernels.o"
+    command = ["nvcc", "-std=c++17", "-c", str(both)]
     command += ["-o", str(out), "-arch=sm_90", *build.defines()]
     command += ["-O0", "-Xcompiler", "-O0", "-Xcicc", "-O0", "-Xptxas", "-O0"]
     command += [f"-I{p}" for p in includes]

@@ -36,6 +36,7 @@ CHECK = textwrap.dedent(
         "knn": (p_query, p_ref, 5),
         "knn_aggregate": (p_query, p_ref, feats.requires_grad_(), 5, 0.1),
         "radius_aggregate": (p_query, p_ref, feats, 0.3, 0.1),
+        "radius_search": (p_query, p_ref, 0.3),
     }
     def close(got, want):  # kNN: the distances (equally near neighbours may swap)
         got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)

@@ -5,6 +5,7 @@ the layer's shapes, its two neighbour forms agreeing, and a compiled graph."""
 import pytest
 import torch
 
+import extkernels as ek
 from extkernels import pointnet, pointsets
 from extkernels.ops import batches
 
@@ -142,3 +143,30 @@ def test_fit_trains_and_accuracy_counts():
     assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
     share = pointnet.accuracy(model, sets, range(3, 5))
     assert 0.0 <= share <= 1.0 and share * 8 == int(share * 8)
+
+
+@pytest.mark.parametrize("neighbours", ["csr", "padded"])
+def test_every_radius_search_backend_gives_the_same_scores(sets, neighbours):
+    points, offsets, _ = sets.batch(2)
+    scores = []
+    for backend in ek.backends("radius_search"):
+        torch.manual_seed(0)
+        model = pointnet.Classifier(
+            4, n_centres=16, radius=0.3, neighbours=neighbours, backend=backend
+        )
+        scores.append(model(points, offsets))
+    assert len(scores) >= 2
+    for other in scores[1:]:
+        torch.testing.assert_close(other, scores[0], rtol=1e-5, atol=1e-5)
+
+
+def test_time_steps_times_each_backend_form_mode_and_pass():
+    sets = pointsets.PointSets(2, 30, 40, seed=0)
+    times = pointnet.time_steps(sets, 1, 1, backends=("fused",), n_centres=4, width=8)
+    assert times.index.names == ["backend", "neighbours", "mode", "pass"]
+    assert set(times.index.get_level_values("backend")) == {"fused"}
+    assert len(times) == 2 * 2 * 2  # forms, modes, passes
+    ms = times[["min ms", "median ms", "max ms"]]
+    assert (ms > 0).all().all()
+    assert (ms["min ms"] <= ms["median ms"]).all()
+    assert (ms["median ms"] <= ms["max ms"]).all()

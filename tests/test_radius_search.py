@@ -442,6 +442,10 @@ class _MeanDistance(torch.nn.Module):
     """Each query's mean distance to its neighbours in its own cloud: code on tensors
     of the data-dependent size E after the search."""
 
+    def __init__(self, backend="torch"):
+        super().__init__()
+        self.backend = backend
+
     def forward(self, p_query, p_ref, query_offsets, ref_offsets):
         offsets, indices, distances = ek.radius_search(
             p_query,
@@ -449,6 +453,7 @@ class _MeanDistance(torch.nn.Module):
             RADIUS,
             query_offsets=query_offsets,
             ref_offsets=ref_offsets,
+            backend=self.backend,
         )
         rows = torch.arange(p_query.shape[0], device=p_query.device)
         rows = rows.repeat_interleave(offsets.diff(), output_size=indices.shape[0])
@@ -463,11 +468,14 @@ def _packed(sizes, seed):
 
 
 @pytest.mark.slow
-def test_an_aotinductor_package_runs_other_batches(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_aotinductor_package_runs_other_batches(backend, tmp_path):
     points, offsets = _packed([100, 200], seed=0)
-    n, clouds = torch.export.Dim("n", min=2), torch.export.Dim("clouds", min=2)
+    # the fused kernels take at most 2**28 - 1 points: a bound the export keeps
+    n = torch.export.Dim("n", min=2, max=10**6)
+    clouds = torch.export.Dim("clouds", min=2)
     program = torch.export.export(
-        _MeanDistance(),
+        _MeanDistance(backend),
         (points, points, offsets, offsets),
         dynamic_shapes=({0: n}, {0: n}, {0: clouds}, {0: clouds}),
     )
@@ -478,7 +486,7 @@ def test_an_aotinductor_package_runs_other_batches(tmp_path):
     for sizes, seed in (([100, 200], 0), ([250, 50, 120], 1)):
         points, offsets = _packed(sizes, seed)
         args = (points, points, offsets, offsets)
-        torch.testing.assert_close(runner(*args), _MeanDistance()(*args))
+        torch.testing.assert_close(runner(*args), _MeanDistance(backend)(*args))
 
 
 @pytest.mark.gpu

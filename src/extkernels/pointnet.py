@@ -71,6 +71,7 @@ class SetAbstraction(nn.Module):
         width: the MLP's width (three layers, ReLU between) and the output features.
         neighbours: ``"csr"`` or ``"padded"`` (see the module's docstring).
         max_neighbours: slots per centre of the padded form.
+        backend: the radius search's backend (``ek.backends("radius_search")``).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class SetAbstraction(nn.Module):
         *,
         neighbours: str = "csr",
         max_neighbours: int = 32,
+        backend: str = "torch",
     ):
         super().__init__()
         if neighbours not in NEIGHBOURS:
@@ -89,6 +91,7 @@ class SetAbstraction(nn.Module):
             )
         self.n_centres, self.radius, self.width = n_centres, radius, width
         self.neighbours, self.max_neighbours = neighbours, max_neighbours
+        self.backend = backend
         self.mlp = _mlp([3, width, width, width])
 
     def forward(
@@ -100,7 +103,11 @@ class SetAbstraction(nn.Module):
         centres = points[rows]
         b = offsets.shape[0] - 1
         centre_offsets = torch.arange(b + 1, device=offsets.device) * self.n_centres
-        batch = {"query_offsets": centre_offsets, "ref_offsets": offsets}
+        batch = {
+            "query_offsets": centre_offsets,
+            "ref_offsets": offsets,
+            "backend": self.backend,
+        }
         if self.neighbours == "csr":
             nb_offsets, nb, _ = radius_search(centres, points, self.radius, **batch)
             owner = torch.repeat_interleave(
@@ -210,22 +217,32 @@ def time_steps(
     repeats: int = 5,
     *,
     seed: int = 0,
+    backends: tuple[str, ...] = ("torch",),
     **layer,
 ) -> pd.DataFrame:
     """Milliseconds of a forward pass (no gradients) and of a training step of the
     :class:`Classifier` (``layer``: its options) on batch 0 of ``sets``, eager and
-    compiled with ``fullgraph=True``, for each way of holding the neighbours: median,
-    fastest and slowest of ``repeats`` blocks of ``n_iters`` calls."""
+    compiled with ``fullgraph=True``, for each radius search's backend of ``backends``
+    and each way of holding the neighbours: median, fastest and slowest of ``repeats``
+    blocks of ``n_iters`` calls."""
     batch = tuple(sets.batch(0))
     rows = []
-    for neighbours in NEIGHBOURS:
-        for mode in ("eager", "compiled"):
-            torch.manual_seed(seed)
-            model = Classifier(len(sets.classes), neighbours=neighbours, **layer)
-            model = model.to(sets.device)
-            run = model if mode == "eager" else torch.compile(model, fullgraph=True)
-            fwd, train = _timed(run, model, batch, n_iters, repeats)
-            rows.append((neighbours, mode, "forward", *fwd))
-            rows.append((neighbours, mode, "train step", *train))
-    columns = ["neighbours", "mode", "pass", "median ms", "min ms", "max ms"]
-    return pd.DataFrame(rows, columns=columns).set_index(["neighbours", "mode", "pass"])
+    for backend in backends:
+        for neighbours in NEIGHBOURS:
+            for mode in ("eager", "compiled"):
+                torch.manual_seed(seed)
+                model = Classifier(
+                    len(sets.classes), neighbours=neighbours, backend=backend, **layer
+                )
+                model = model.to(sets.device)
+                if mode == "compiled":
+                    # each model compiled afresh: every instance is a new guard on the
+                    # same code, and eight would reach Dynamo's recompile limit
+                    torch._dynamo.reset()
+                run = model if mode == "eager" else torch.compile(model, fullgraph=True)
+                fwd, train = _timed(run, model, batch, n_iters, repeats)
+                rows.append((backend, neighbours, mode, "forward", *fwd))
+                rows.append((backend, neighbours, mode, "train step", *train))
+    index = ["backend", "neighbours", "mode", "pass"]
+    columns = [*index, "median ms", "min ms", "max ms"]
+    return pd.DataFrame(rows, columns=columns).set_index(index)

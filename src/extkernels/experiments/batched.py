@@ -9,6 +9,9 @@ processes, beside the alternatives a reader has:
   ``topk``);
 - ``single``: one cloud of 4,096 points, self kNN with k = 32: each backend's search
   and the fused backend's batched brute force on that one cloud;
+- ``crossover``: batches of 8 clouds of 1,024 to 65,536 points, self kNN with k = 16,
+  by the fused backend's batched brute force and by a loop of its tree searches: where
+  testing every pair of a cloud stops paying;
 - ``radius``: the radius projector's workload (the book's reference cloud and query
   grid, its radius): each backend's ``ek.radius_search`` (CSR, and padded to the 64
   nearest) beside each backend's ``ek.radius_aggregate`` forward pass.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 from pathlib import Path
 
@@ -52,14 +56,29 @@ __all__ = [
 ]
 
 #: The cases, in the order the chapter shows them.
-CASES = ("batch", "single", "radius")
+CASES = ("batch", "single", "crossover", "radius")
 
 
 def sizes(small: bool) -> dict:
-    """Every case's sizes: the issue's at full size, a few hundred points on the CPU."""
+    """Every case's sizes: the issue's at full size, a few hundred points on the CPU
+    (``crossover``: the points per cloud of its batches of 8)."""
     if small:
-        return {"clouds": 4, "points": 256, "k": 16, "single": 512, "k_single": 32}
-    return {"clouds": 32, "points": 2048, "k": 16, "single": 4096, "k_single": 32}
+        return {
+            "clouds": 4,
+            "points": 256,
+            "k": 16,
+            "single": 512,
+            "k_single": 32,
+            "crossover": (64, 256),
+        }
+    return {
+        "clouds": 32,
+        "points": 2048,
+        "k": 16,
+        "single": 4096,
+        "k_single": 32,
+        "crossover": (1024, 4096, 16384, 65536),
+    }
 
 
 def _cloud(n: int, seed: int, device) -> torch.Tensor:
@@ -193,6 +212,22 @@ def methods(case: str, device) -> dict:
         for b in here:
             if b.implements("radius_aggregate"):
                 out[f"radius_aggregate {b.name}, forward"] = aggregate(b.name)
+    elif case == "crossover":
+        for points in s["crossover"]:
+            at = {**s, "clouds": 8, "points": points}
+
+            def build(at=at, backend=None):
+                points, offsets = _batch(at, device)
+                if backend is None:
+                    return lambda: fused.knn_batched(
+                        points, points, offsets, offsets, at["k"]
+                    )
+                return lambda: _loop(points, offsets, at["k"], backend)
+
+            out[f"8 x {points:,}, fused, knn_batched"] = build
+            out[f"8 x {points:,}, fused, loop of clouds"] = functools.partial(
+                build, backend="fused"
+            )
     else:
         raise ValueError(f"case: expected one of {', '.join(CASES)}, got {case!r}")
     return out

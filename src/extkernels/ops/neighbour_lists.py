@@ -14,18 +14,16 @@ search cloud ``b`` only.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from .batches import check_batch
-from .checks import check_cloud, check_finite, values_checked
+from .checks import check_cloud, check_finite, check_positive, values_checked
 
 __all__ = [
     "DTYPES",
     "check_points",
-    "check_radius",
     "check_radius_search",
     "check_max_neighbours",
 ]
@@ -44,19 +42,6 @@ def check_points(name: str, points: object, dtypes=DTYPES) -> torch.Tensor:
     ):
         check_cloud(name, points, dtypes=dtypes)
     return points
-
-
-def check_radius(radius: object) -> float:
-    """A finite ``radius > 0``, by comparisons alone: traced with ``dynamic=True``, a
-    global float is symbolic, which ``math.isfinite`` cannot take (the comparisons
-    guard the compiled graph on it instead)."""
-    if isinstance(radius, bool) or not isinstance(radius, numbers.Real):
-        raise TypeError(
-            f"radius: expected a positive float, got {type(radius).__name__}"
-        )
-    if not 0 < radius < math.inf:  # NaN fails both
-        raise ValueError(f"radius: expected a finite value > 0, got {radius}")
-    return float(radius)
 
 
 def check_max_neighbours(max_neighbours: object) -> int | None:
@@ -100,7 +85,7 @@ def check_radius_search(
             f"p_ref: expected a tensor on {p_query.device} like p_query, got "
             f"{p_ref.device}"
         )
-    radius = check_radius(radius)
+    radius = check_positive("radius", radius)
     max_neighbours = check_max_neighbours(max_neighbours)
     if values is None:
         values = values_checked(p_query)
