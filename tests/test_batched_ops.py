@@ -348,5 +348,19 @@ def test_position_gradients_of_a_batch_match_torch_or_are_refused(op, backend, d
             _position_grads(op, backend, device, tensors, grad_out)
         return
     actual = _position_grads(op, backend, device, tensors, grad_out)
+    if backend == "cuml":
+        # cuML orders equal distances its own way: of two copies of a point, either
+        # may be the neighbour, so only the copies' summed gradient is defined
+        actual[1], expected[1] = (
+            _per_position(tensors[1], g) for g in (actual[1], expected[1])
+        )
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-2)
+
+
+def _per_position(points, grads):
+    """``grads`` of the rows of ``points`` summed over rows at the same position."""
+    _, group = torch.unique(points, dim=0, return_inverse=True)
+    return torch.zeros(int(group.max()) + 1, 3, dtype=grads.dtype).index_add_(
+        0, group, grads
+    )
