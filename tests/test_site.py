@@ -155,6 +155,8 @@ def browser() -> Iterator[Browser]:
 def opened(request, browser: Browser, built_site: Path) -> Iterator[Opened]:
     """One page of the site, loaded offline with its fonts, its console watched."""
     page = browser.new_page(viewport=VIEWPORT)
+    # a page's load waits on the machine: CI's two cores may be busy with other tests
+    page.set_default_timeout(120_000)
     result = Opened(request.param, page)
     page.route("**/*", _offline)
     _watch(page, result.errors)
