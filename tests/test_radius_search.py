@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity
 
 import extkernels as ek
+from extkernels import profiling
 from extkernels.ops import registry
 from extkernels.ops.checks import value_checks
 from extkernels.ops.torch.radius_search import radius_search_csr, radius_search_padded
@@ -509,9 +510,7 @@ def test_the_csr_form_waits_for_the_device_once(max_neighbours, syncs, backend):
             p_query, p_ref, RADIUS, max_neighbours=max_neighbours, backend=backend
         )
         known.item()
-    waits = sum(
-        e.count for e in prof.key_averages() if e.key == "cudaStreamSynchronize"
-    )
+    waits = profiling.runtime_calls(prof, ("cudaStreamSynchronize",))["calls"].sum()
     assert waits == syncs + 1
 
 
