@@ -149,8 +149,14 @@ def test_one_cloud_is_the_unbatched_call(op, backend, device):
     one = [torch.tensor([0, n], device=device) for n in (len(p_query), len(p_ref))]
     batched = _call(op, *args, *one, backend)
     alone = _call(op, *args, None, None, backend)
+    # The fused backend takes a batch by another kernel than one cloud (every pair
+    # tested, the softmax and the sums in PyTorch, against its tree search and fused
+    # sums): the same neighbours in the same order, sums equal to rounding.
+    tol = dict(rtol=1e-5, atol=1e-6) if backend == "fused" else dict(rtol=0, atol=0)
     for got, want in zip(_tensors(batched), _tensors(alone), strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        if got.dtype == torch.int64:
+            assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize(

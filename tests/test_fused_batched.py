@@ -69,6 +69,12 @@ def _loaded():
         ([500], [700], 33),  # one cloud, k past a warp
         ([64] * 12, [100] * 12, 1),
         ([40, 300], [64, 64], 64),  # k = the whole cloud, the kernels' most
+        # groups of 8, 16 and 32 lanes per query on the GPU, clouds ending inside a
+        # warp, clouds of exactly k points, sizes that are not multiples of a group
+        ([13, 7, 29, 3], [10, 9, 40, 8], 8),
+        ([15, 1, 33], [17, 16, 40], 16),
+        ([37, 5, 91], [50, 20, 130], 20),
+        ([200], [1000], 32),
     ],
 )
 def test_exact_against_scipy_cloud_by_cloud(device, query_sizes, ref_sizes, k):

@@ -3,14 +3,15 @@
 
 Every kNN backend hands its ``(distances, indices)`` to :func:`softmax_gather`; the
 registry derives each backend's ``knn_aggregate`` this way (see
-:mod:`~extkernels.ops.registry`).
+:mod:`~extkernels.ops.registry`). :func:`csr_aggregate` does the same for a radius
+search's neighbour lists (chapter 16).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gather", "gather_weights_grad", "scatter", "softmax_gather"]
+__all__ = ["csr_aggregate", "gather", "gather_weights_grad", "scatter", "softmax_gather"]
 
 
 def softmax_gather(
@@ -61,3 +62,37 @@ def scatter(
     rows = (weights.unsqueeze(-1) * grad_out.unsqueeze(1)).reshape(m * k, -1)
     grad = grad_out.new_zeros((n_ref, grad_out.shape[1]))
     return grad.index_add(0, indices.reshape(-1), rows.to(grad.dtype))
+
+
+def csr_aggregate(
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    distances: torch.Tensor,
+    feats: torch.Tensor,
+    sigma: float,
+) -> torch.Tensor:
+    """The radius aggregation from a radius search's CSR neighbour lists (chapter 16):
+    ``out[q]`` is the sum of ``feats[indices[e]]`` over query ``q``'s entries
+    ``offsets[q]:offsets[q + 1]``, weighted by ``exp(-distances[e] / sigma)``
+    normalised over them; a query without neighbours gets zeros. Gradients reach
+    ``feats`` and, through ``distances``, the clouds. Each query's nearest distance is
+    subtracted before ``exp`` (it cancels in the normalisation and keeps the weights
+    from underflowing), as in the PyTorch brute force; the sizes stay symbolic, so
+    this compiles after a search whose fake sizes its output with an unbacked size.
+
+    Returns ``(M, F)``, the dtype of ``feats``."""
+    m = offsets.shape[0] - 1
+    rows = torch.repeat_interleave(
+        torch.arange(m, device=offsets.device),
+        offsets.diff(),
+        output_size=indices.shape[0],
+    )
+    d = distances.to(feats.dtype)
+    with torch.no_grad():
+        nearest = d.new_full((m,), torch.inf).scatter_reduce(0, rows, d, "amin")
+    w = torch.exp((nearest[rows] - d) / sigma)
+    total = w.new_zeros(m).index_add(0, rows, w)
+    out = feats.new_zeros(m, feats.shape[1]).index_add(
+        0, rows, w.unsqueeze(1) * feats[indices]
+    )
+    return out / total.clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(1)

@@ -16,6 +16,12 @@ in CUDA C++, for both workloads.
   walk to write them) or padded to the ``max_neighbours`` nearest (one walk, no copy);
   a batch of clouds shares one grid, each query skipping the other clouds' rows.
 
+A batch of clouds (``query_offsets``, ``ref_offsets``) is one launch per operation:
+``knn`` and ``knn_aggregate`` test every pair of each cloud (:func:`knn_batched`, then
+the softmax and gather in PyTorch), which pays for clouds of a few thousand points and
+not for clouds of tens of thousands (chapter 16 measures where); ``radius_aggregate``
+is the CSR radius search, then :func:`~extkernels.ops.gather.csr_aggregate`.
+
 On the CPU the kNN operators walk the same tree (or run chapter 9's kernels for the
 grid: the lanes are a GPU matter) and the radius operators the same walk in C++. The
 sources live in ``csrc/`` beside the C++ backend's headers, which they include; the
@@ -25,7 +31,7 @@ first use, never on import.
 
 import torch
 
-from .. import batches, checks, cpp, positions
+from .. import batches, checks, cpp, gather, positions
 from ..registry import OPERATIONS, Backend, Book, register
 from . import build, ops
 from .build import DEFAULT_INDEX, DEFAULT_LANES, INDEXES, LANES
@@ -71,8 +77,19 @@ def _check_queries(op: str, p_query) -> None:
     ops.check_queries(op, p_query)
 
 
-def _knn(p_query, p_ref, k, *, lanes: int = DEFAULT_LANES, index: str = DEFAULT_INDEX):
+def _knn(
+    p_query,
+    p_ref,
+    k,
+    *,
+    lanes: int = DEFAULT_LANES,
+    index: str = DEFAULT_INDEX,
+    query_offsets=None,
+    ref_offsets=None,
+):
     _check_queries("knn", p_query)
+    if query_offsets is not None:  # checked by the entry point: one launch
+        return _call("knn_batched", p_query, p_ref, query_offsets, ref_offsets, k)
     return _call("knn", p_query, p_ref, k, lanes, index)
 
 
@@ -85,8 +102,13 @@ def _knn_aggregate(
     *,
     lanes: int = DEFAULT_LANES,
     index: str = DEFAULT_INDEX,
+    query_offsets=None,
+    ref_offsets=None,
 ):
     _check_queries("knn_aggregate", p_query)
+    if query_offsets is not None:
+        d, i = _call("knn_batched", p_query, p_ref, query_offsets, ref_offsets, k)
+        return gather.softmax_gather(d, i, feats, sigma)
     return _call("knn_aggregate_fwd", p_query, p_ref, feats, k, sigma, lanes, index)[0]
 
 
@@ -173,8 +195,23 @@ def knn_work(p_query, p_ref, k, *, index: str = DEFAULT_INDEX) -> torch.Tensor:
     return _call("knn_work", p_query.cpu(), p_ref.cpu(), k, index)
 
 
-def _radius_aggregate(p_query, p_ref, feats, radius, sigma, *, warp: bool = True):
+def _radius_aggregate(
+    p_query,
+    p_ref,
+    feats,
+    radius,
+    sigma,
+    *,
+    warp: bool = True,
+    query_offsets=None,
+    ref_offsets=None,
+):
     _check_queries("radius_aggregate", p_query)
+    if query_offsets is not None:
+        offsets, indices, distances = _radius_search(
+            p_query, p_ref, radius, None, query_offsets, ref_offsets
+        )
+        return gather.csr_aggregate(offsets, indices, distances, feats, sigma)
     return _call("radius_aggregate_fwd", p_query, p_ref, feats, radius, sigma, warp)[0]
 
 
@@ -321,6 +358,7 @@ BACKEND = register(
         },
         prepare=load,
         position_grads=(*OPERATIONS, "radius_search"),
+        batched=OPERATIONS,
         library=_library,
         libraries=(*cpp.BACKEND.libraries, "fused"),  # its CPU kernels call chapter 9's
         book=Book(

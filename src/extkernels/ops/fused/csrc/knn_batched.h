@@ -21,9 +21,10 @@
 
 namespace extkernels {
 
-// Queries per block, one thread each, and reference points per tile of shared memory
-// (as float4: 4 KiB). Every thread of a block reads the same point of the tile at once
-// (a broadcast), so a tile costs one global read per point per block.
+// Beyond 32 neighbours (knn_batched_cuda.cu): queries per block, one thread each, and
+// reference points per tile of shared memory (as float4: 4 KiB). Every thread of a
+// block reads the same point of the tile at once (a broadcast), so a tile costs one
+// global read per point per block.
 constexpr int kBatchedThreads = 128;
 constexpr int kBatchedTile = 256;
 

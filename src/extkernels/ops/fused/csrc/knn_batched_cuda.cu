@@ -1,17 +1,27 @@
 // The batched brute-force kNN on the GPU (chapter 11): one launch for a whole batch of
 // clouds (knn_batched.h), every pair of each cloud tested.
 //
-// One thread per query, 128 consecutive query rows per block. A block's queries belong
-// to one cloud or to a few consecutive ones (a cloud of fewer queries than a block, or
-// one that ends inside it), whose reference points are consecutive rows of p_ref: the
-// block streams that run through shared memory a tile at a time, and each thread tests
-// the part of each tile that belongs to its own cloud, in row order. Each thread keeps
-// its k best in registers, sorted, the list right-aligned in KMAX slots whose first
-// KMAX - k hold -infinity (never displaced), so that the k-th best is always the last
-// slot and no slot is indexed at run time. A point enters only if strictly nearer than
-// the k-th best: visited in row order, of two equally near points the lower row stays,
-// as in every kernel of the book. Nothing is allocated but the outputs, nothing read
-// back with the value checks off: the launch can be captured in a CUDA graph.
+// Up to 32 neighbours (knn_group_kernel): a group of G lanes of a warp per query, G the
+// smallest of 8, 16 and 32 that holds k. The group keeps its query's list spread over
+// its lanes, sorted, slot s in lane s. It reads its cloud's reference points G at a
+// time, one per lane, in row order; a lane whose point is nearer than the k-th best
+// raises its bit of a warp ballot, and the group then takes the raised points one by
+// one, lowest lane first: each lane keeps its slot, takes the newcomer or takes the
+// slot below's (one shuffle), so a point enters in a handful of instructions instead of
+// k. Most points raise no bit once the list has filled: the work is the distances.
+//
+// Beyond 32 neighbours (knn_thread_kernel): one thread per query, 128 consecutive query
+// rows per block. A block's queries belong to one cloud or to a few consecutive ones,
+// whose reference points are consecutive rows of p_ref: the block streams that run
+// through shared memory a tile at a time, and each thread tests the part of each tile
+// that belongs to its own cloud, in row order, keeping its k best in registers, sorted,
+// the list right-aligned in KMAX slots whose first KMAX - k hold -infinity (never
+// displaced), so that the k-th best is always the last slot.
+//
+// Either way a point enters only if strictly nearer than the k-th best: visited in row
+// order, of two equally near points the lower row stays, as in every kernel of the
+// book. Nothing is allocated but the outputs, nothing read back with the value checks
+// off: the launch can be captured in a CUDA graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -47,7 +57,7 @@ __device__ __forceinline__ void insert(float (&dist)[KMAX], int32_t (&row)[KMAX]
 
 template <int KMAX>
 __global__ void __launch_bounds__(kBatchedThreads)
-    knn_batched_kernel(const float* q, int64_t m, const float* ref, int64_t n,
+    knn_thread_kernel(const float* q, int64_t m, const float* ref, int64_t n,
                        const int64_t* query_offsets, const int64_t* ref_offsets,
                        int64_t clouds, int k, float* out, int64_t* idx) {
   __shared__ float4 tile[kBatchedTile];
@@ -102,6 +112,85 @@ __global__ void __launch_bounds__(kBatchedThreads)
   }
 }
 
+// Threads per block of the group kernel: 8 warps.
+constexpr int kGroupThreads = 256;
+
+// One query per group of G lanes (G = 8, 16 or 32, k <= G); see the top of the file.
+// Every lane of the warp runs every iteration, so that the shuffles and ballots see the
+// whole warp: a group past the last query, or done with its cloud, tests nothing.
+template <int G>
+__global__ void __launch_bounds__(kGroupThreads)
+    knn_group_kernel(const float* q, int64_t m, const float* ref, int64_t n,
+                     const int64_t* query_offsets, const int64_t* ref_offsets,
+                     int64_t clouds, int k, float* out, int64_t* idx) {
+  const int64_t row = ((int64_t)blockIdx.x * kGroupThreads + threadIdx.x) / G;
+  const int lane = threadIdx.x & 31;
+  const int slot = lane & (G - 1);  // this lane's slot in its query's list
+  const unsigned group = (G == 32 ? kFullWarp : (1u << G) - 1u) << (lane & ~(G - 1));
+  int64_t begin = 0, end = 0;  // the query's cloud's reference rows
+  float qx = 0.0f, qy = 0.0f, qz = 0.0f;
+  if (row < m) {
+    if (clouds > 0) {
+      cloud_rows(ref_offsets, cloud_of(query_offsets, clouds, row), n, begin, end);
+    } else {
+      end = n;  // one cloud, no offsets
+    }
+    qx = q[3 * row];
+    qy = q[3 * row + 1];
+    qz = q[3 * row + 2];
+  }
+  float best = INFINITY;  // slot `slot` of the sorted list
+  int32_t best_row = -1;
+  for (int64_t t = begin; __any_sync(kFullWarp, t < end); t += G) {
+    const int64_t j = t + slot;
+    float d = INFINITY;
+    if (j < end) {
+      const float* p = ref + 3 * j;
+      d = dist2(qx - __ldg(p), qy - __ldg(p + 1), qz - __ldg(p + 2));
+    }
+    const float kth = __shfl_sync(kFullWarp, best, k - 1, G);
+    unsigned raised = __ballot_sync(kFullWarp, d < kth) & group;
+    while (__any_sync(kFullWarp, raised != 0)) {
+      const int from = raised ? __ffs(raised) - 1 : lane;
+      const bool has = raised != 0;
+      raised &= raised - 1;
+      float dn = __shfl_sync(kFullWarp, d, from);
+      const int32_t jn = __shfl_sync(kFullWarp, (int32_t)j, from);
+      if (!has) dn = INFINITY;  // this group has taken all of its points
+      const float below = __shfl_up_sync(kFullWarp, best, 1, G);
+      const int32_t below_row = __shfl_up_sync(kFullWarp, best_row, 1, G);
+      if (slot > 0 && dn < below) {
+        best = below;
+        best_row = below_row;
+      } else if (dn < best) {
+        best = dn;
+        best_row = jn;
+      }
+    }
+  }
+  if (row < m && slot < k) {
+    out[row * k + slot] = sqrtf(best);
+    idx[row * k + slot] = best_row;
+  }
+}
+
+// Launches the group kernel where k <= 32 (clouds = 0: one cloud, no offsets); returns
+// whether it did.
+bool launch_group(const float* q, int64_t m, const float* ref, int64_t n,
+                  const int64_t* query_offsets, const int64_t* ref_offsets,
+                  int64_t clouds, int64_t k, float* out, int64_t* idx,
+                  cudaStream_t stream) {
+  const auto go = [&](auto kernel, int lanes) {
+    kernel<<<blocks_for(m * lanes, kGroupThreads), kGroupThreads, 0, stream>>>(
+        q, m, ref, n, query_offsets, ref_offsets, clouds, (int)k, out, idx);
+    return true;
+  };
+  if (k <= 8) return go(knn_group_kernel<8>, 8);
+  if (k <= 16) return go(knn_group_kernel<16>, 16);
+  if (k <= 32) return go(knn_group_kernel<32>, 32);
+  return false;
+}
+
 std::tuple<at::Tensor, at::Tensor> knn_batched_cuda(const at::Tensor& p_query,
                                                     const at::Tensor& p_ref,
                                                     const at::Tensor& query_offsets,
@@ -119,14 +208,16 @@ std::tuple<at::Tensor, at::Tensor> knn_batched_cuda(const at::Tensor& p_query,
   at::Tensor distances = at::empty({m, k}, p_query.options());
   at::Tensor indices = at::empty({m, k}, p_query.options().dtype(at::kLong));
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int blocks = blocks_for(m, kBatchedThreads);
-  EK_DISPATCH_KMAX(k, {
-    knn_batched_kernel<KMAX><<<blocks, kBatchedThreads, 0, stream>>>(
-        p_query.data_ptr<float>(), m, p_ref.data_ptr<float>(), n,
-        query_offsets.data_ptr<int64_t>(), ref_offsets.data_ptr<int64_t>(),
-        query_offsets.size(0) - 1, (int)k, distances.data_ptr<float>(),
-        indices.data_ptr<int64_t>());
-  });
+  const int64_t clouds = query_offsets.size(0) - 1;
+  const float *q = p_query.data_ptr<float>(), *r = p_ref.data_ptr<float>();
+  const int64_t* qo = query_offsets.data_ptr<int64_t>();
+  const int64_t* ro = ref_offsets.data_ptr<int64_t>();
+  float* d = distances.data_ptr<float>();
+  int64_t* i = indices.data_ptr<int64_t>();
+  if (!launch_group(q, m, r, n, qo, ro, clouds, k, d, i, stream)) {  // k > 32
+    knn_thread_kernel<kMaxK><<<blocks_for(m, kBatchedThreads), kBatchedThreads, 0, stream>>>(
+        q, m, r, n, qo, ro, clouds, (int)k, d, i);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {distances, indices};
 }
