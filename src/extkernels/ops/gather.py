@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["csr_aggregate", "gather", "gather_weights_grad", "scatter", "softmax_gather"]
+__all__ = [
+    "csr_aggregate",
+    "gather",
+    "gather_weights_grad",
+    "scatter",
+    "softmax_gather",
+]
 
 
 def softmax_gather(
