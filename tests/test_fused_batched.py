@@ -75,6 +75,9 @@ def _loaded():
         ([15, 1, 33], [17, 16, 40], 16),
         ([37, 5, 91], [50, 20, 130], 20),
         ([200], [1000], 32),
+        # past 8,192 points per cloud on average the GPU takes a thread per query
+        ([300, 200], [9000, 8000], 16),
+        ([700], [8193], 32),
     ],
 )
 def test_exact_against_scipy_cloud_by_cloud(device, query_sizes, ref_sizes, k):

@@ -1,16 +1,17 @@
 // The batched brute-force kNN on the GPU (chapter 11): one launch for a whole batch of
 // clouds (knn_batched.h), every pair of each cloud tested.
 //
-// Up to 32 neighbours (knn_group_kernel): a group of G lanes of a warp per query, G the
-// smallest of 8, 16 and 32 that holds k. The group keeps its query's list spread over
-// its lanes, sorted, slot s in lane s. It reads its cloud's reference points G at a
+// Up to 32 neighbours in clouds of up to kGroupRefsPerCloud points on average
+// (knn_group_kernel): a group of G lanes of a warp per query, G the smallest of 8, 16
+// and 32 that holds k. The group keeps its query's list spread over its lanes, sorted,
+// slot s in lane s. It reads its cloud's reference points G at a
 // time, one per lane, in row order; a lane whose point is nearer than the k-th best
 // raises its bit of a warp ballot, and the group then takes the raised points one by
 // one, lowest lane first: each lane keeps its slot, takes the newcomer or takes the
 // slot below's (one shuffle), so a point enters in a handful of instructions instead of
 // k. Most points raise no bit once the list has filled: the work is the distances.
 //
-// Beyond 32 neighbours (knn_thread_kernel): one thread per query, 128 consecutive query
+// Otherwise (knn_thread_kernel): one thread per query, 128 consecutive query
 // rows per block. A block's queries belong to one cloud or to a few consecutive ones,
 // whose reference points are consecutive rows of p_ref: the block streams that run
 // through shared memory a tile at a time, and each thread tests the part of each tile
@@ -130,11 +131,7 @@ __global__ void __launch_bounds__(kGroupThreads)
   int64_t begin = 0, end = 0;  // the query's cloud's reference rows
   float qx = 0.0f, qy = 0.0f, qz = 0.0f;
   if (row < m) {
-    if (clouds > 0) {
-      cloud_rows(ref_offsets, cloud_of(query_offsets, clouds, row), n, begin, end);
-    } else {
-      end = n;  // one cloud, no offsets
-    }
+    cloud_rows(ref_offsets, cloud_of(query_offsets, clouds, row), n, begin, end);
     qx = q[3 * row];
     qy = q[3 * row + 1];
     qz = q[3 * row + 2];
@@ -174,12 +171,13 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
 }
 
-// Launches the group kernel where k <= 32 (clouds = 0: one cloud, no offsets); returns
-// whether it did.
+// Launches the group kernel where k <= 32 and the clouds hold at most
+// kGroupRefsPerCloud reference points on average; returns whether it did.
 bool launch_group(const float* q, int64_t m, const float* ref, int64_t n,
                   const int64_t* query_offsets, const int64_t* ref_offsets,
                   int64_t clouds, int64_t k, float* out, int64_t* idx,
                   cudaStream_t stream) {
+  if (k > 32 || n > kGroupRefsPerCloud * clouds) return false;
   const auto go = [&](auto kernel, int lanes) {
     kernel<<<blocks_for(m * lanes, kGroupThreads), kGroupThreads, 0, stream>>>(
         q, m, ref, n, query_offsets, ref_offsets, clouds, (int)k, out, idx);
@@ -187,8 +185,7 @@ bool launch_group(const float* q, int64_t m, const float* ref, int64_t n,
   };
   if (k <= 8) return go(knn_group_kernel<8>, 8);
   if (k <= 16) return go(knn_group_kernel<16>, 16);
-  if (k <= 32) return go(knn_group_kernel<32>, 32);
-  return false;
+  return go(knn_group_kernel<32>, 32);
 }
 
 std::tuple<at::Tensor, at::Tensor> knn_batched_cuda(const at::Tensor& p_query,
@@ -214,9 +211,11 @@ std::tuple<at::Tensor, at::Tensor> knn_batched_cuda(const at::Tensor& p_query,
   const int64_t* ro = ref_offsets.data_ptr<int64_t>();
   float* d = distances.data_ptr<float>();
   int64_t* i = indices.data_ptr<int64_t>();
-  if (!launch_group(q, m, r, n, qo, ro, clouds, k, d, i, stream)) {  // k > 32
-    knn_thread_kernel<kMaxK><<<blocks_for(m, kBatchedThreads), kBatchedThreads, 0, stream>>>(
-        q, m, r, n, qo, ro, clouds, (int)k, d, i);
+  if (!launch_group(q, m, r, n, qo, ro, clouds, k, d, i, stream)) {
+    EK_DISPATCH_KMAX(k, {
+      knn_thread_kernel<KMAX><<<blocks_for(m, kBatchedThreads), kBatchedThreads, 0,
+                                stream>>>(q, m, r, n, qo, ro, clouds, (int)k, d, i);
+    });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {distances, indices};
