@@ -85,12 +85,25 @@ def test_the_data_files_are_written_before_the_next_phase(tmp_path):
     assert seen == [(0, False), (3, True)]
 
 
+def test_a_gpu_named_twice_is_two_lanes_on_it(tmp_path):
+    jobs = [job(tmp_path, f"a{i}", sleep=0.5) for i in range(4)]
+    status = campaign.run_jobs(jobs, ["0", "0"], tmp_path / "out", poll=0.05)
+    assert {tuple(s["lanes"]) for s in status.values()} == {("0",)}
+    a = sorted((ran(tmp_path, f"a{i}") for i in range(4)), key=lambda r: r["start"])
+    assert {r["lane"] for r in a} == {"0"}
+    assert a[1]["start"] < a[0]["end"]  # two at once
+    assert a[2]["start"] >= min(a[0]["end"], a[1]["end"])  # never three
+    everywhere = job(tmp_path, "all", gpus=-1)
+    campaign.run_jobs([everywhere], ["0", "0"], tmp_path / "out2", poll=0.05)
+    assert ran(tmp_path, "all")["lane"] == "0"  # each GPU named once
+
+
 def test_lanes_get_their_own_host_cores(tmp_path):
-    cores = [campaign._cores(["0", "1"], [lane]) for lane in ("0", "1")]
+    cores = [campaign._cores(["0", "1"], [i]) for i in (0, 1)]
     assert not set(cores[0]) & set(cores[1])
-    assert sorted(campaign._cores(["0", "1"], ["0", "1"])) == sorted(
-        cores[0] + cores[1]
-    )
+    assert sorted(campaign._cores(["0", "1"], [0, 1])) == sorted(cores[0] + cores[1])
+    # two lanes on one GPU get their own cores too
+    assert campaign._cores(["0", "0"], [0]) == cores[0]
 
 
 def test_the_plan_times_each_variant_once_and_executes_every_page():

@@ -20,7 +20,8 @@ clouds, chapter 15's shipping) gets the same runs as the main file.
 
 Every job's output goes to ``--out`` (``logs/``, ``parts/``) and its state to
 ``status.json``; a job that ended well is not run again, so an interrupted campaign
-resumes where it stopped.
+resumes where it stopped. Jobs that time nothing (the test shards, nbval of the pages)
+may share a GPU: ``--gpus 0,0,0 --only nbval:`` runs three of them at once on GPU 0.
 """
 
 from __future__ import annotations
@@ -182,17 +183,13 @@ def _save_status(out: Path, status: dict) -> None:
     tmp.replace(out / "status.json")
 
 
-def _cores(lanes: list[str], used: list[str]) -> list[int]:
-    """The host cores of the lanes ``used``: an equal share of this process's cores per
-    lane, so that neighbours on other GPUs do not take a timed job's host threads."""
+def _cores(lanes: list[str], used: list[int]) -> list[int]:
+    """The host cores of the lanes ``used`` (their positions in ``lanes``): an equal
+    share of this process's cores per lane, so that neighbours on other GPUs do not
+    take a timed job's host threads."""
     mine = sorted(os.sched_getaffinity(0))
     share = max(1, len(mine) // len(lanes))
-    picked = [
-        c
-        for i, lane in enumerate(lanes)
-        if lane in used
-        for c in mine[i * share : (i + 1) * share]
-    ]
+    picked = [c for i in used for c in mine[i * share : (i + 1) * share]]
     return picked or mine
 
 
@@ -206,7 +203,8 @@ def run_jobs(
     between: Callable[[int], None] | None = None,
 ) -> dict:
     """Run ``jobs`` on ``lanes`` (``CUDA_VISIBLE_DEVICES`` values; ``[""]`` on a machine
-    without a GPU), each lane one job at a time, phases as barriers; ``between(phase)``
+    without a GPU; a GPU named twice is two lanes on it), each lane one job at a time,
+    phases as barriers; ``between(phase)``
     runs when every job of earlier phases has ended and before ``phase`` starts. Jobs
     already ``ok`` in ``out/status.json`` are skipped. Returns the status of every job:
     ``state`` (``ok``, ``failed``, ``timeout``), ``lanes``, ``seconds``, ``rc``."""
@@ -214,7 +212,7 @@ def run_jobs(
     (out / "logs").mkdir(exist_ok=True)
     status = _load_status(out)
     pending = [j for j in jobs if status.get(j.name, {}).get("state") != "ok"]
-    running: dict[str, tuple[Job, subprocess.Popen, float, list[str]]] = {}
+    running: dict[str, tuple[Job, subprocess.Popen, float, list[int]]] = {}
     started_phases: set[int] = set()
     while pending or running:
         for name, (_job, proc, t0, used) in list(running.items()):
@@ -228,11 +226,13 @@ def run_jobs(
             else:
                 state = "ok" if rc == 0 else "failed"
             seconds = round(time.time() - t0, 1)
-            status[name] = {"state": state, "rc": rc, "lanes": used, "seconds": seconds}
+            named = [lanes[i] for i in used]
+            status[name] = {"state": state, "rc": rc, "lanes": named}
+            status[name]["seconds"] = seconds
             _save_status(out, status)
             print(f"{state:8s} {name} ({seconds:.0f} s)", flush=True)
             del running[name]
-        busy = {lane for *_, used in running.values() for lane in used}
+        busy = {i for *_, used in running.values() for i in used}
         lowest = min(
             [j.phase for j in pending] + [j.phase for j, *_ in running.values()],
             default=0,
@@ -244,16 +244,17 @@ def run_jobs(
                 started_phases.add(job.phase)
                 if between is not None:
                     between(job.phase)
-            free = [lane for lane in lanes if lane not in busy]
+            free = [i for i in range(len(lanes)) if i not in busy]
             if job.gpus == -1:
                 if busy:
                     break  # waits for every lane, and holds back the jobs after it
-                used = list(lanes)
+                used = list(range(len(lanes)))
             elif free:
                 used = [free[0]]
             else:
                 break
-            env = {**os.environ, **SAFE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(used)}
+            gpus = ",".join(dict.fromkeys(lanes[i] for i in used))  # each GPU once
+            env = {**os.environ, **SAFE_ENV, "CUDA_VISIBLE_DEVICES": gpus}
             cores = _cores(lanes, used)
             env["OMP_NUM_THREADS"] = str(len(cores))
             if job.produces:
@@ -271,9 +272,9 @@ def run_jobs(
             )
             log.close()
             running[job.name] = (job, proc, time.time(), used)
-            status[job.name] = {"state": "running", "lanes": used}
+            status[job.name] = {"state": "running", "lanes": [lanes[i] for i in used]}
             _save_status(out, status)
-            print(f"start    {job.name} on {','.join(used) or 'cpu'}", flush=True)
+            print(f"start    {job.name} on {gpus or 'cpu'}", flush=True)
             busy.update(used)
             pending.remove(job)
         time.sleep(poll)
@@ -292,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("command", choices=["plan", "run", "status"])
     ap.add_argument("--out", default="campaign", help="logs, parts and status.json")
-    ap.add_argument("--gpus", help="lanes, e.g. 0,1,2,3 (default: every visible GPU)")
+    ap.add_argument(
+        "--gpus",
+        help="lanes, e.g. 0,1,2,3 (default: every visible GPU); a GPU named twice is "
+        "two lanes on it, for jobs that time nothing (nbval, tests)",
+    )
     ap.add_argument(
         "--repeats", type=int, default=5, help="fresh processes per variant"
     )
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s['state']:8s} {s.get('seconds', ''):>8} {name}")
         return 0
     lanes = _lanes(args.gpus)
-    multi = len(lanes) >= 4
+    multi = len(set(lanes)) >= 4  # GPUs, not lanes
     jobs = plan(repeats=args.repeats, multi_gpu=multi)
     if args.only:
         jobs = select(jobs, args.only)
