@@ -204,10 +204,10 @@ def run_jobs(
 ) -> dict:
     """Run ``jobs`` on ``lanes`` (``CUDA_VISIBLE_DEVICES`` values; ``[""]`` on a machine
     without a GPU; a GPU named twice is two lanes on it), each lane one job at a time,
-    phases as barriers; ``between(phase)``
-    runs when every job of earlier phases has ended and before ``phase`` starts. Jobs
-    already ``ok`` in ``out/status.json`` are skipped. Returns the status of every job:
-    ``state`` (``ok``, ``failed``, ``timeout``), ``lanes``, ``seconds``, ``rc``."""
+    phases as barriers; ``between(phase)`` runs when every job of earlier phases has
+    ended and before ``phase`` starts. Jobs already ``ok`` in ``out/status.json`` are
+    skipped. Returns the status of every job: ``state`` (``ok``, ``failed``,
+    ``timeout``), ``lanes``, ``seconds``, ``rc``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     status = _load_status(out)
@@ -227,8 +227,12 @@ def run_jobs(
                 state = "ok" if rc == 0 else "failed"
             seconds = round(time.time() - t0, 1)
             named = [lanes[i] for i in used]
-            status[name] = {"state": state, "rc": rc, "lanes": named}
-            status[name]["seconds"] = seconds
+            status[name] = {
+                "state": state,
+                "rc": rc,
+                "lanes": named,
+                "seconds": seconds,
+            }
             _save_status(out, status)
             print(f"{state:8s} {name} ({seconds:.0f} s)", flush=True)
             del running[name]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .batches import cloud_of
+
 __all__ = [
     "csr_aggregate",
     "gather",
@@ -88,11 +90,7 @@ def csr_aggregate(
 
     Returns ``(M, F)``, the dtype of ``feats``."""
     m = offsets.shape[0] - 1
-    rows = torch.repeat_interleave(
-        torch.arange(m, device=offsets.device),
-        offsets.diff(),
-        output_size=indices.shape[0],
-    )
+    rows = cloud_of(offsets, indices.shape[0])  # each entry's query
     d = distances.to(feats.dtype)
     with torch.no_grad():
         nearest = d.new_full((m,), torch.inf).scatter_reduce(0, rows, d, "amin")

@@ -4,19 +4,19 @@
 // Up to 32 neighbours in clouds of up to kGroupRefsPerCloud points on average
 // (knn_group_kernel): a group of G lanes of a warp per query, G the smallest of 8, 16
 // and 32 that holds k. The group keeps its query's list spread over its lanes, sorted,
-// slot s in lane s. It reads its cloud's reference points G at a
-// time, one per lane, in row order; a lane whose point is nearer than the k-th best
-// raises its bit of a warp ballot, and the group then takes the raised points one by
-// one, lowest lane first: each lane keeps its slot, takes the newcomer or takes the
-// slot below's (one shuffle), so a point enters in a handful of instructions instead of
-// k. Most points raise no bit once the list has filled: the work is the distances.
+// slot s in lane s. It reads its cloud's reference points G at a time, one per lane, in
+// row order; a lane whose point is nearer than the k-th best raises its bit of a warp
+// ballot, and the group then takes the raised points one by one, lowest lane first:
+// each lane keeps its slot, takes the newcomer or takes the slot below's (one shuffle),
+// so a point enters in a handful of instructions instead of k. Most points raise no bit
+// once the list has filled: the work is the distances.
 //
-// Otherwise (knn_thread_kernel): one thread per query, 128 consecutive query
-// rows per block. A block's queries belong to one cloud or to a few consecutive ones,
-// whose reference points are consecutive rows of p_ref: the block streams that run
-// through shared memory a tile at a time, and each thread tests the part of each tile
-// that belongs to its own cloud, in row order, keeping its k best in registers, sorted,
-// the list right-aligned in KMAX slots whose first KMAX - k hold -infinity (never
+// Otherwise (knn_thread_kernel): one thread per query, 128 consecutive query rows per
+// block. A block's queries belong to one cloud or to a few consecutive ones, whose
+// reference points are consecutive rows of p_ref: the block streams that run through
+// shared memory a tile at a time, and each thread tests the part of each tile that
+// belongs to its own cloud, in row order, keeping its k best in registers, sorted, the
+// list right-aligned in KMAX slots whose first KMAX - k hold -infinity (never
 // displaced), so that the k-th best is always the last slot.
 //
 // Either way a point enters only if strictly nearer than the k-th best: visited in row
@@ -59,8 +59,8 @@ __device__ __forceinline__ void insert(float (&dist)[KMAX], int32_t (&row)[KMAX]
 template <int KMAX>
 __global__ void __launch_bounds__(kBatchedThreads)
     knn_thread_kernel(const float* q, int64_t m, const float* ref, int64_t n,
-                       const int64_t* query_offsets, const int64_t* ref_offsets,
-                       int64_t clouds, int k, float* out, int64_t* idx) {
+                      const int64_t* query_offsets, const int64_t* ref_offsets,
+                      int64_t clouds, int k, float* out, int64_t* idx) {
   __shared__ float4 tile[kBatchedTile];
   __shared__ int64_t span[2];  // the block's reference rows: its clouds' runs together
   const int64_t first = (int64_t)blockIdx.x * kBatchedThreads;
