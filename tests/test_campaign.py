@@ -265,8 +265,10 @@ def test_only_takes_prefixes_and_whole_names():
 
 def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
     """``campaign/`` (the book's campaign, resumed across sessions) holds only jobs that
-    ended well, a part for each of them that writes one, and no part without its job:
-    each benchmark part is the H200 runs of one variant, five fresh processes."""
+    ended well, a part for each of them that writes one, and no part without its job,
+    every part's run card naming one host (the campaign spans sessions, each on a
+    machine it is lent): each benchmark part is the H200 runs of one variant, five fresh
+    processes."""
     from extkernels import variants
 
     root = Path(__file__).resolve().parents[1] / "campaign"
@@ -280,6 +282,9 @@ def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
         for p in (root / "parts").rglob("*.json")
     }
     assert set(parts) == {n for n in status if n.split(":")[0] in measuring}
+    cards = [json.loads(p.read_text()).get("meta", {}) for p in parts.values()]
+    hosts = {c["versions"]["host CPU"] for c in cards if "versions" in c}
+    assert len(hosts) <= 1, f"the campaign's parts come from several hosts: {hosts}"
     names = {v.name for v in variants.VARIANTS}
     for name, path in parts.items():
         if not name.startswith("bench:"):
