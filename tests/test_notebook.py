@@ -3,6 +3,7 @@
 import os
 
 import pandas as pd
+import pytest
 import torch
 
 from extkernels import notebook
@@ -28,6 +29,16 @@ def test_versions_names_the_host_cpu_and_its_cores():
 def test_versions_names_the_cpu_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert notebook.versions().loc["device", "version"].startswith("CPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_versions_counts_the_hosts_gpus_beyond_the_visible_ones():
+    """The run card says which kind of host ran it: every GPU of the host, not only
+    those ``CUDA_VISIBLE_DEVICES`` leaves (the campaign gives each job one)."""
+    count, name = notebook.versions().loc["GPUs on the host", "version"].split(" × ")
+    assert int(count) >= torch.cuda.device_count()
+    assert name == torch.cuda.get_device_name(0)
 
 
 def test_fake_tensors_run_an_operator_without_data():

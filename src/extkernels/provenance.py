@@ -75,6 +75,24 @@ def _driver() -> str:
         return "n/a"
 
 
+def _gpus_on_host() -> str:
+    """How many GPUs the host holds, from ``nvidia-smi`` (which
+    ``CUDA_VISIBLE_DEVICES`` does not narrow): a run on one GPU of a four-GPU host
+    shares the host's CPU with three neighbours, a run on a one-GPU host does not."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return f"{len(names)} × {names[0]}" if names else "n/a"
+
+
 def _host_cpu() -> str:
     """The host's processor model and core count: host-bound timings (a launch, a
     Python backward) depend on it as much as on the GPU."""
@@ -109,6 +127,7 @@ def versions() -> pd.DataFrame:
             ),
             ("CUDA (torch)", torch.version.cuda or "n/a"),
             ("driver", _driver()),
+            ("GPUs on the host", _gpus_on_host()),
         ]
     else:
         rows += [("device", "CPU only (the host CPU below)")]
