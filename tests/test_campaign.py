@@ -73,6 +73,17 @@ def test_a_job_past_its_time_is_stopped_and_said_so(tmp_path):
     assert time.time() - t0 < 10
 
 
+def test_no_job_starts_after_the_time_given_and_the_rest_resume(tmp_path):
+    out = tmp_path / "out"
+    jobs = [job(tmp_path, f"a{i}", sleep=0.4) for i in range(3)]
+    status = campaign.run_jobs(jobs, [""], out, poll=0.05, start_within=0.2)
+    assert list(status) == ["a0"] and status["a0"]["state"] == "ok"  # not cut off
+    assert not (tmp_path / "a1.json").exists()
+    again = campaign.run_jobs(jobs, [""], out, poll=0.05)
+    assert set(again) == {"a0", "a1", "a2"}
+    assert ran(tmp_path, "a1")["start"] >= ran(tmp_path, "a0")["end"]
+
+
 def test_the_data_files_are_written_before_the_next_phase(tmp_path):
     seen = []
     jobs = [job(tmp_path, "measure"), job(tmp_path, "chapter", 3)]

@@ -201,20 +201,28 @@ def run_jobs(
     timeout: float = 3600,
     poll: float = 1.0,
     between: Callable[[int], None] | None = None,
+    start_within: float | None = None,
 ) -> dict:
     """Run ``jobs`` on ``lanes`` (``CUDA_VISIBLE_DEVICES`` values; ``[""]`` on a machine
     without a GPU; a GPU named twice is two lanes on it), each lane one job at a time,
     phases as barriers; ``between(phase)`` runs when every job of earlier phases has
     ended and before ``phase`` starts. Jobs already ``ok`` in ``out/status.json`` are
-    skipped. Returns the status of every job: ``state`` (``ok``, ``failed``,
-    ``timeout``), ``lanes``, ``seconds``, ``rc``."""
+    skipped. No job starts later than ``start_within`` seconds after the call (a
+    machine lent for a while: what runs when it goes back is lost); the jobs left
+    have no status and run when the campaign resumes. Returns the status of every
+    job: ``state`` (``ok``, ``failed``, ``timeout``), ``lanes``, ``seconds``,
+    ``rc``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     status = _load_status(out)
     pending = [j for j in jobs if status.get(j.name, {}).get("state") != "ok"]
     running: dict[str, tuple[Job, subprocess.Popen, float, list[int]]] = {}
     started_phases: set[int] = set()
+    t_end = None if start_within is None else time.time() + start_within
     while pending or running:
+        if t_end is not None and time.time() > t_end and pending:
+            print(f"not started ({start_within:.0f} s passed): {len(pending)} jobs")
+            pending.clear()
         for name, (_job, proc, t0, used) in list(running.items()):
             rc = proc.poll()
             if rc is None and time.time() - t0 > timeout:
@@ -310,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated prefixes of the jobs to run ('name$': that job alone)",
     )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per job")
+    ap.add_argument(
+        "--start-within",
+        type=float,
+        help="start no job after this many seconds (a machine lent for a while); "
+        "run again to resume",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.command == "status":
@@ -335,10 +349,20 @@ def main(argv: list[str] | None = None) -> int:
             (out / "files-written").write_text(json.dumps(missing))
             print(f"wrote the data files; missing variants: {missing or 'none'}")
 
-    status = run_jobs(jobs, lanes, out, timeout=args.timeout, between=between)
+    status = run_jobs(
+        jobs,
+        lanes,
+        out,
+        timeout=args.timeout,
+        between=between,
+        start_within=args.start_within,
+    )
     bad = [n for n, s in status.items() if s["state"] != "ok"]
+    left = [j.name for j in jobs if j.name not in status]
     print(f"{len(status) - len(bad)} jobs ok, {len(bad)} not: {bad}")
-    return 1 if bad else 0
+    if left:
+        print(f"{len(left)} not started: run again to resume")
+    return 1 if bad or left else 0
 
 
 if __name__ == "__main__":
