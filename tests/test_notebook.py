@@ -31,6 +31,18 @@ def test_versions_names_the_cpu_without_a_gpu(monkeypatch):
     assert notebook.versions().loc["device", "version"].startswith("CPU")
 
 
+def test_the_hosts_gpus_are_counted_from_nvidia_smi(tmp_path, monkeypatch):
+    from extkernels import provenance
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200'\necho 'NVIDIA H200'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=os.pathsep)
+    assert provenance._gpus_on_host() == "2 × NVIDIA H200"
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert provenance._gpus_on_host() == "n/a"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_versions_counts_the_hosts_gpus_beyond_the_visible_ones():

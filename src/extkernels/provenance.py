@@ -61,35 +61,30 @@ def _version(names: tuple[str, ...]) -> str:
     return "not installed"
 
 
-def _driver() -> str:
+def _per_gpu(field: str) -> list[str]:
+    """``field`` of every GPU of the host, from ``nvidia-smi`` (which
+    ``CUDA_VISIBLE_DEVICES`` does not narrow); empty where it cannot run."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "n/a"
-
-
-def _gpus_on_host() -> str:
-    """How many GPUs the host holds, from ``nvidia-smi`` (which
-    ``CUDA_VISIBLE_DEVICES`` does not narrow): a run on one GPU of a four-GPU host
-    shares the host's CPU with three neighbours, a run on a one-GPU host does not."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=20,
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def _driver() -> str:
+    return next(iter(_per_gpu("driver_version")), "n/a")
+
+
+def _gpus_on_host() -> str:
+    """How many GPUs the host holds: a run on one GPU of a four-GPU host shares the
+    host's CPU with three neighbours, a run on a one-GPU host does not."""
+    names = _per_gpu("name")
     return f"{len(names)} × {names[0]}" if names else "n/a"
 
 
