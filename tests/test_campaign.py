@@ -276,10 +276,10 @@ def test_only_takes_prefixes_and_whole_names():
 
 def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
     """``campaign/`` (the book's campaign, resumed across sessions) holds only jobs that
-    ended well, a part for each of them that writes one, and no part without its job,
-    every part's run card naming one host (the campaign spans sessions, each on a
-    machine it is lent): each benchmark part is the H200 runs of one variant, five fresh
-    processes."""
+    ended well, a part for each of them that writes one, and no part without its job;
+    the parts' run cards all name the same host (the campaign spans sessions, each on
+    the machine lent then); each benchmark part is the H200 runs of one variant, five
+    fresh processes."""
     from extkernels import variants
 
     root = Path(__file__).resolve().parents[1] / "campaign"

@@ -221,7 +221,10 @@ def run_jobs(
     t_end = None if start_within is None else time.time() + start_within
     while pending or running:
         if t_end is not None and time.time() > t_end and pending:
-            print(f"not started ({start_within:.0f} s passed): {len(pending)} jobs")
+            print(
+                f"not started ({start_within:.0f} s passed): {len(pending)} jobs",
+                flush=True,
+            )
             pending.clear()
         for name, (_job, proc, t0, used) in list(running.items()):
             rc = proc.poll()
