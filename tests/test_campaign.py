@@ -136,6 +136,10 @@ def test_the_plan_times_each_variant_once_and_executes_every_page():
         n.split(":")[0] for n in names if not n.startswith(("chapter", "dist", "nbval"))
     ]
     assert kinds == sorted(kinds, key=["geometry", "tests", "bench", "batched"].index)
+    # the GPU tests are one job, its workers handed one test at a time (xdist)
+    [tests] = [j for j in jobs if j.name.startswith("tests:")]
+    assert tests.argv[1:5] == ["-m", "pytest", "-m", "gpu"]
+    assert "tests" in tests.argv and tests.argv[-4:] == ["-n", "4", "--dist", "load"]
     from extkernels.experiments import batched
 
     assert {n for n in names if n.startswith("batched:")} == {

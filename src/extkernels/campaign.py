@@ -8,20 +8,19 @@ machine and the campaign's dates).
 
 A job is one command of the book (the benchmark command for one variant, chapter 14's
 geometry command for one method, chapter 16's batched command for one case, chapter 13's
-distributed command, ``pytest -m gpu`` on
-a share of the test files, the execution command for one chapter) and runs alone on its
-GPU (``CUDA_VISIBLE_DEVICES``), so that its timings see no neighbour; a job that needs
-every GPU (chapter 13) waits until the others are done and runs alone. Phases are
-barriers: measurements, then the multi-GPU runs, then the data files are written into
-``book/data`` from what the measurements wrote, then the chapters execute against them,
-then nbval checks each page against what it now stores.
+distributed command, ``pytest -m gpu``, the execution command for one chapter) and
+runs alone on its GPU (``CUDA_VISIBLE_DEVICES``), so that its timings see no
+neighbour; a job that needs every GPU (chapter 13) waits until the others are done
+and runs alone. Phases are barriers: measurements, then the multi-GPU runs, then the
+data files are written into ``book/data`` from what the measurements wrote, then the
+chapters execute against them, then nbval checks each page against what it now stores.
 Each variant is timed once: a file that shows a variant beside its own (chapter 14's
 clouds, chapter 15's shipping) gets the same runs as the main file.
 
 Every job's output goes to ``--out`` (``logs/``, ``parts/``) and its state to
 ``status.json``; a job that ended well is not run again, so an interrupted campaign
-resumes where it stopped. Jobs that time nothing (the test shards, nbval of the pages)
-may share a GPU: ``--gpus 0,0,0 --only nbval:`` runs three of them at once on GPU 0.
+resumes where it stopped. Jobs that time nothing (nbval of the pages) may share a
+GPU: ``--gpus 0,0,0 --only nbval:`` runs three of them at once on GPU 0.
 """
 
 from __future__ import annotations
@@ -85,12 +84,13 @@ def plan(
     *,
     book: Path = Path("book"),
     repeats: int = 5,
-    test_shards: int = 4,
+    test_workers: int = 4,
     multi_gpu: bool = True,
 ) -> list[Job]:
     """Every job of a campaign on this machine, in the order they start: the geometry
-    command per method, its checks and traits, ``pytest -m gpu`` in ``test_shards``
-    shares, the variants that can run here (those that build or compile first); then
+    command per method, its checks and traits, ``pytest -m gpu`` (``test_workers``
+    processes on one lane), the variants that can run here (those that build or
+    compile first); then
     chapter 13's distributed runs and chapter 13 (``multi_gpu``); then every other
     chapter and the results page; then nbval of every page (``pytest``, which compares
     the cells tagged ``nbval-check-output``) against what it stores."""
@@ -124,11 +124,10 @@ def plan(
         part = f"parts/batched/{case}.json"
         argv = [*b, "--cases", case, "--out", part]
         jobs.append(Job(f"batched:{case}", argv, 0, produces=part))
-    tests = sorted(str(p) for p in Path("tests").glob("test_*.py"))
-    for i in range(test_shards):
-        share = tests[i::test_shards]
-        argv = _py("pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *share)
-        jobs.append(Job(f"tests:{i + 1}of{test_shards}", argv, 0))
+    # one job: pytest-xdist hands each worker the next test, so that no worker is
+    # left alone with the slow files (as with a fixed share of the files each)
+    argv = _py("pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests")
+    jobs.append(Job("tests:gpu", [*argv, "-n", str(test_workers), "--dist", "load"], 0))
     if multi_gpu:
         for w in ("knn", "radius"):
             part = f"parts/distributed/{w}.json"
