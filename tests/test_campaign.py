@@ -229,7 +229,7 @@ def test_files_are_named_by_the_gpu_their_runs_came_from(tmp_path):
 def test_the_batched_cases_make_one_file(tmp_path):
     parts = tmp_path / "parts" / "batched"
     parts.mkdir(parents=True)
-    meta = {"hardware": "NVIDIA B200", "repeats": 2, "versions": {}}
+    meta = {"hardware": "NVIDIA B200", "date": "today", "repeats": 2, "versions": {}}
     for case in ("batch", "radius"):
         runs = [{"case": case, "method": "m", "ms": 1.0 + r, "run": r} for r in (0, 1)]
         (parts / f"{case}.json").write_text(json.dumps({"meta": meta, "runs": runs}))

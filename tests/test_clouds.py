@@ -138,12 +138,17 @@ def test_the_timed_calls_skip_the_value_checks_after_a_checked_first_call(
 
 def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
     path = str(tmp_path / "geometry.json")
+
+    def meta(date, host):
+        return {"hardware": "GPU", "date": date, "versions": {"host CPU": host}}
+
     old = [{"method": "fused", "ms": 1.0}, {"method": "cuml", "ms": 20.0}]
-    geometry.merge_into(path, {"meta": {"date": "day 1"}, "runs": old, "checks": old})
+    geometry.merge_into(path, {"meta": meta("day 1", "A"), "runs": old, "checks": old})
     new = [{"method": "fused", "ms": 0.5}]
-    geometry.merge_into(path, {"meta": {"date": "day 2"}, "runs": new, "checks": new})
+    geometry.merge_into(path, {"meta": meta("day 2", "B"), "runs": new, "checks": new})
     data = json.loads((tmp_path / "geometry.json").read_text())
     assert data["meta"]["date"] == "day 1, day 2"  # cuml's rows are day 1's
+    assert data["meta"]["versions"]["host CPU"] == "A; B"  # and host A's
     for key in ("runs", "checks"):
         assert sorted((r["method"], r["ms"]) for r in data[key]) == [
             ("cuml", 20.0),

@@ -105,7 +105,7 @@ def test_merged_files_keep_every_run_and_profile(tmp_path):
     other.write_text(
         json.dumps({"meta": dict(meta, hardware="CPU"), "runs": [], "profiles": []})
     )
-    with pytest.raises(ValueError, match="paths: expected files from one machine"):
+    with pytest.raises(ValueError, match="paths: expected files from one kind of GPU"):
         merge([str(paths[0]), str(other)])
 
 

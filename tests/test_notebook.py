@@ -53,6 +53,18 @@ def test_versions_counts_the_hosts_gpus_beyond_the_visible_ones():
     assert name == torch.cuda.get_device_name(0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_versions_names_the_gpu_it_ran_on_among_the_hosts():
+    """Runs of several sessions may come from several GPUs of one kind: the card's
+    UUID is the one of the host's GPUs (nvidia-smi's) that this process used."""
+    from extkernels import provenance
+
+    uuid = notebook.versions().loc["GPU UUID", "version"]
+    host = [u.removeprefix("GPU-") for u in provenance._per_gpu("uuid")]
+    assert uuid in host
+
+
 def test_fake_tensors_run_an_operator_without_data():
     with notebook.fake_tensors():
         x = torch.empty(4, 3)

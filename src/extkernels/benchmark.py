@@ -27,7 +27,7 @@ import pandas as pd
 from . import fresh
 from . import variants as V
 from .problem import problem
-from .provenance import versions
+from .provenance import joined_meta, versions
 from .timing import timings_frame
 
 __all__ = ["run_all", "merge", "timed_rows", "write", "main"]
@@ -143,9 +143,8 @@ def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
     """Several files of this command, from one machine, as one: the runs of every file,
     the table rebuilt from them (so speedups use the baseline wherever it was timed).
     A variant timed again in a later file keeps only the later file's runs: a
-    re-measurement replaces the old one, never mixes with it. The meta of the first
-    file, with the dates of all and, for a component whose version differs between
-    the files, every value."""
+    re-measurement replaces the old one, never mixes with it. One run card for all
+    (:func:`~extkernels.provenance.joined_meta`)."""
     metas, runs = [], []
     for path in paths:
         with open(path) as f:
@@ -153,27 +152,7 @@ def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
         metas.append(data["meta"])
         again = {r["variant"] for r in data["runs"]}
         runs = [r for r in runs if r["variant"] not in again] + data["runs"]
-    hardware = {m["hardware"] for m in metas}
-    if len(hardware) != 1:
-        raise ValueError(
-            f"paths: expected files from one machine, got {sorted(hardware)}"
-        )
-    meta = {
-        **metas[0],
-        "date": ", ".join(m["date"] for m in metas),
-        "versions": _joined([m.get("versions", {}) for m in metas]),
-    }
-    return meta, frame(runs)
-
-
-def _joined(versions: list[dict]) -> dict:
-    """One record of the files' software and hardware: a component that differs
-    between files (another host CPU, a newer driver) lists each value once, in order,
-    so a merged file never claims one value for runs that had another."""
-    keys = dict.fromkeys(k for v in versions for k in v)
-    return {
-        k: "; ".join(dict.fromkeys(str(v[k]) for v in versions if k in v)) for k in keys
-    }
+    return joined_meta(metas, "paths"), frame(runs)
 
 
 def main(argv: list[str] | None = None) -> int:

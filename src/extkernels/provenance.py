@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-__all__ = ["BOOK_HARDWARE", "data_file", "hardware_slug", "versions"]
+__all__ = ["BOOK_HARDWARE", "data_file", "hardware_slug", "joined_meta", "versions"]
 
 #: The GPU behind the book's stored data files (the ``hardware`` of their run cards).
 BOOK_HARDWARE = "NVIDIA H200"
@@ -123,8 +123,34 @@ def versions() -> pd.DataFrame:
             ("CUDA (torch)", torch.version.cuda or "n/a"),
             ("driver", _driver()),
             ("GPUs on the host", _gpus_on_host()),
+            # which GPU of its kind: runs of several sessions may come from several
+            ("GPU UUID", str(getattr(props, "uuid", "n/a"))),
         ]
     else:
         rows += [("device", "CPU only (the host CPU below)")]
     rows.append(("host CPU", _host_cpu()))
     return pd.DataFrame(rows, columns=["component", "version"]).set_index("component")
+
+
+def joined_meta(metas: list[dict], argument: str = "metas") -> dict:
+    """One run card for the runs of several files of a command (a campaign's jobs):
+    the first file's card with every file's date and, for a component whose value
+    differs between the files (another host CPU, another GPU), every value in order,
+    ``not recorded`` standing for the files without it. A merged file never claims
+    one value for runs that had another. Raises ``ValueError``, naming ``argument``
+    (the caller's), for files from two kinds of GPU (their ``hardware``)."""
+    if not metas:
+        raise ValueError(f"{argument}: expected the run card of at least one file")
+    hardware = {m["hardware"] for m in metas}
+    if len(hardware) != 1:
+        raise ValueError(
+            f"{argument}: expected files from one kind of GPU, got {sorted(hardware)}"
+        )
+    dates = [d for m in metas for d in m["date"].split(", ")]
+    cards = [m.get("versions", {}) for m in metas]
+    keys = dict.fromkeys(k for card in cards for k in card)
+    versions = {
+        k: "; ".join(dict.fromkeys(str(c.get(k, "not recorded")) for c in cards))
+        for k in keys
+    }
+    return {**metas[0], "date": ", ".join(dict.fromkeys(dates)), "versions": versions}

@@ -17,6 +17,7 @@ import torch
 
 from . import clouds
 from .ops import knn, radius_aggregate, registry
+from .provenance import joined_meta
 
 __all__ = ["LIBRARIES", "RADIUS", "merge_into", "search_methods", "searcher"]
 
@@ -99,19 +100,17 @@ def searcher(method: str, w: clouds.Workload, k: int):
 
 def merge_into(path: str, parts: dict) -> None:
     """Adds ``parts`` to the JSON at ``path`` (runs, checks and traits are appended; a
-    method timed or checked again replaces its earlier rows; the meta's date lists
-    every call's; ``skipped`` lists the methods that did not load, until one is timed),
-    so that several calls build one file."""
+    method timed or checked again replaces its earlier rows; one run card for every
+    call, :func:`~extkernels.provenance.joined_meta`; ``skipped`` lists the methods
+    that did not load, until one is timed), so that several calls build one file."""
     data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
     parts = dict(parts)
     timed = {r["method"] for r in parts.get("runs", [])}
     skipped = [*data.pop("skipped", []), *parts.pop("skipped", [])]
     if skipped := [m for m in dict.fromkeys(skipped) if m not in timed]:
         data["skipped"] = skipped
-    if "meta" in parts and "meta" in data:  # the date of every call, in order
-        dates = [*data["meta"]["date"].split(", "), parts["meta"]["date"]]
-        meta = {**parts["meta"], "date": ", ".join(dict.fromkeys(dates))}
-        parts = {**parts, "meta": meta}
+    if "meta" in parts and "meta" in data:  # one run card for every call
+        parts = {**parts, "meta": joined_meta([data["meta"], parts["meta"]], "parts")}
     for key in ("runs", "checks", "traits"):
         if key in parts and key in data:
             again = {r["method"] for r in parts[key]}

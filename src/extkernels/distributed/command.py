@@ -12,7 +12,7 @@ import sys
 import pandas as pd
 
 from ..problem import problem
-from ..provenance import versions
+from ..provenance import joined_meta, versions
 from . import launch
 from .bench import measure, table
 from .exactness import compare, compile_report
@@ -140,17 +140,12 @@ def bench(
 
 def merge(paths: list[str]) -> dict:
     """Files of ``bench --out``, from one machine, as one: every file's runs and
-    profiles, the first file's meta with every file's date."""
+    profiles, one run card for all (:func:`~extkernels.provenance.joined_meta`)."""
     files = []
     for path in paths:
         with open(path) as f:
             files.append(json.load(f))
-    hardware = {f["meta"]["hardware"] for f in files}
-    if len(hardware) != 1:
-        raise ValueError(
-            f"paths: expected files from one machine, got {sorted(hardware)}"
-        )
-    meta = dict(files[0]["meta"], date=", ".join(f["meta"]["date"] for f in files))
+    meta = joined_meta([f["meta"] for f in files], "paths")
     meta["command"] = " ; ".join(f["meta"]["command"] for f in files)
     return {
         "meta": meta,

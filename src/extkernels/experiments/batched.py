@@ -39,7 +39,7 @@ from .. import fresh
 from ..data import features, query_grid, reference_cloud
 from ..ops import batches, fused, knn, radius_aggregate, radius_search, registry
 from ..problem import problem
-from ..provenance import versions
+from ..provenance import joined_meta, versions
 from ..timing import runs_table, time_within_budget
 
 __all__ = [
@@ -290,12 +290,15 @@ def load(path) -> tuple[dict, pd.DataFrame]:
 
 
 def merge(pieces: list[dict]) -> dict:
-    """One file of this command from several (a campaign's job per case): the first
-    piece's meta and every piece's runs."""
+    """One file of this command from several (a campaign's job per case): one run
+    card for all (:func:`~extkernels.provenance.joined_meta`) and every piece's runs."""
     if not pieces:
         raise ValueError("pieces: expected at least one file of this command")
     runs = [row for piece in pieces for row in piece["runs"]]
-    return {"meta": pieces[0]["meta"], "runs": runs}
+    return {
+        "meta": joined_meta([piece["meta"] for piece in pieces], "pieces"),
+        "runs": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
