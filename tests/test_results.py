@@ -176,3 +176,15 @@ def test_the_answer_reads_the_fastest_steps_from_the_files():
     assert "floor" not in q["radius_best"]
     bench.loc["knn/cuml", ["train_ms", "train_min", "train_max"]] = 0.001
     assert results.variant_quotes(results.by_workload(bench))["knn_best"] == "knn/cuml"
+
+
+def test_the_run_card_counts_the_gpus_behind_a_file():
+    meta = {"hardware": "GPU", "date": "2026-01-02T09:03:13+00:00"}
+    one = "5e1a09c2-0000-1111-2222-333344445555"
+    two = "77b0e3d1-0000-1111-2222-333344445555"
+    meta["versions"] = {"GPU UUID": f"not recorded; {one}; {two}"}
+    card = results.run_card(meta, pd.DataFrame({"repeats": [5]}))
+    assert card.loc["GPU UUID", "benchmark run"] == (
+        "2 GPUs: not recorded, 5e1a09c2…, 77b0e3d1…"
+    )
+    assert results.gpus(one) == "1 GPU: 5e1a09c2…"

@@ -113,7 +113,19 @@ def run_card(meta: dict, df: pd.DataFrame) -> pd.DataFrame:
         "queries": f"{sizes['n_query']:,}" if sizes else "",
         **meta.get("versions", {}),
     }
+    if "GPU UUID" in card:
+        card["GPU UUID"] = gpus(card["GPU UUID"])
     return pd.Series(card, name="benchmark run").to_frame()
+
+
+def gpus(uuids: str) -> str:
+    """A run card's ``GPU UUID`` (every value of a merged file, ``"; "`` between) in
+    short: how many GPUs ran the runs, then the first eight digits of each UUID
+    (``not recorded`` for runs that predate the record)."""
+    ids = uuids.split("; ")
+    n = sum(u != "not recorded" for u in ids)
+    short = [u if u == "not recorded" else f"{u[:8]}…" for u in ids]
+    return f"{n} GPU{'' if n == 1 else 's'}: {', '.join(short)}"
 
 
 def measured(meta: dict) -> str:
