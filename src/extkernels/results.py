@@ -27,6 +27,7 @@ __all__ = [
     "recorded",
     "source",
     "run_card",
+    "gpus",
     "runs_per_variant",
     "book_table",
     "floors_table",
