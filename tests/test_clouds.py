@@ -149,6 +149,9 @@ def test_a_method_timed_or_checked_again_replaces_only_its_own_rows(tmp_path):
     data = json.loads((tmp_path / "geometry.json").read_text())
     assert data["meta"]["date"] == "day 1, day 2"  # cuml's rows are day 1's
     assert data["meta"]["versions"]["host CPU"] == "A; B"  # and host A's
+    geometry.merge_into(path, {"meta": meta("day 3", "B"), "runs": new})
+    data = json.loads((tmp_path / "geometry.json").read_text())
+    assert data["meta"]["versions"]["host CPU"] == "A; B"  # each host once
     for key in ("runs", "checks"):
         assert sorted((r["method"], r["ms"]) for r in data[key]) == [
             ("cuml", 20.0),

@@ -90,10 +90,10 @@ def plan(
     """Every job of a campaign on this machine, in the order they start: the geometry
     command per method, its checks and traits, ``pytest -m gpu`` (``test_workers``
     processes on one lane), the variants that can run here (those that build or
-    compile first); then
-    chapter 13's distributed runs and chapter 13 (``multi_gpu``); then every other
-    chapter and the results page; then nbval of every page (``pytest``, which compares
-    the cells tagged ``nbval-check-output``) against what it stores."""
+    compile first); then chapter 13's distributed runs and chapter 13
+    (``multi_gpu``); then every other chapter and the results page; then nbval of
+    every page (``pytest``, which compares the cells tagged ``nbval-check-output``)
+    against what it stores."""
     jobs: list[Job] = []
     chosen = [v for v in V.VARIANTS if v.available()]
     chosen.sort(key=lambda v: -(2 * v.jit + v.package + v.compile + v.graphs))
