@@ -140,6 +140,8 @@ def test_the_plan_times_each_variant_once_and_executes_every_page():
     [tests] = [j for j in jobs if j.name.startswith("tests:")]
     assert tests.argv[1:5] == ["-m", "pytest", "-m", "gpu"]
     assert "tests" in tests.argv and tests.argv[-4:] == ["-n", "4", "--dist", "load"]
+    [six] = [j for j in campaign.plan(test_workers=6) if j.name.startswith("tests:")]
+    assert six.argv[-4:-2] == ["-n", "6"]
     from extkernels.experiments import batched
 
     assert {n for n in names if n.startswith("batched:")} == {

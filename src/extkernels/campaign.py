@@ -319,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help="comma-separated prefixes of the jobs to run ('name$': that job alone)",
     )
+    ap.add_argument(
+        "--test-workers",
+        type=int,
+        default=4,
+        help="pytest-xdist workers for the GPU tests",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     ap.add_argument(
         "--start-within",
@@ -334,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lanes = _lanes(args.gpus)
     multi = len(set(lanes)) >= 4  # GPUs, not lanes
-    jobs = plan(repeats=args.repeats, multi_gpu=multi)
+    jobs = plan(repeats=args.repeats, test_workers=args.test_workers, multi_gpu=multi)
     if args.only:
         jobs = select(jobs, args.only)
     if args.command == "plan":
