@@ -134,12 +134,12 @@ def versions() -> pd.DataFrame:
 
 def joined_meta(metas: list[dict], argument: str = "metas") -> dict:
     """One run card for the runs of several files of a command (a campaign's jobs):
-    the first file's card with every file's date and, for a component whose value
-    differs between the files (another host CPU, another GPU), every value once in
-    order, ``not recorded`` standing for the files without it (a file merged before
-    gives each of its values). A merged file never claims one value for runs that had
-    another. Raises ``ValueError``, naming ``argument`` (the caller's), for files from
-    two kinds of GPU (their ``hardware``)."""
+    the first file's card with every file's date (once each, earliest first) and, for
+    a component whose value differs between the files (another host CPU, another
+    GPU), every value once in order, ``not recorded`` standing for the files without
+    it (a file merged before gives each of its values). A merged file never claims one
+    value for runs that had another. Raises ``ValueError``, naming ``argument`` (the
+    caller's), for files from two kinds of GPU (their ``hardware``)."""
     if not metas:
         raise ValueError(f"{argument}: expected the run card of at least one file")
     hardware = {m["hardware"] for m in metas}
@@ -155,4 +155,4 @@ def joined_meta(metas: list[dict], argument: str = "metas") -> dict:
         for k in keys
     }
     versions = {k: "; ".join(dict.fromkeys(v)) for k, v in values.items()}
-    return {**metas[0], "date": ", ".join(dict.fromkeys(dates)), "versions": versions}
+    return {**metas[0], "date": ", ".join(sorted(set(dates))), "versions": versions}
