@@ -262,7 +262,7 @@ def test_forward_and_backward_replay_in_one_cuda_graph(ops):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        before = [t.clone() for t in step()]  # warm-up on a side stream
+        before = [t.detach().clone() for t in step()]  # warm-up on a side stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
