@@ -1,4 +1,5 @@
-"""Where a measurement ran: the names of the data files by their hardware."""
+"""Where a measurement ran: the names of the data files by their hardware, and one run
+card for the files of several runs."""
 
 import pytest
 
@@ -22,3 +23,11 @@ def test_a_data_file_is_named_by_its_hardware(hardware, slug):
 def test_a_nameless_hardware_is_refused():
     with pytest.raises(ValueError, match="hardware"):
         provenance.hardware_slug("NVIDIA ")
+
+
+def test_a_merged_run_card_lists_each_date_once_in_order():
+    metas = [
+        {"hardware": "GPU", "date": d}
+        for d in ("2026-01-03T10:00", "2026-01-02T09:00, 2026-01-03T10:00")
+    ]
+    assert provenance.joined_meta(metas)["date"] == "2026-01-02T09:00, 2026-01-03T10:00"

@@ -220,16 +220,6 @@ def test_benchmark_merge_refuses_files_of_two_machines(tmp_path):
         benchmark.merge(paths)
 
 
-def test_a_merged_run_card_lists_each_date_once_in_order():
-    from extkernels.provenance import joined_meta
-
-    metas = [
-        {"hardware": "GPU", "date": d}
-        for d in ("2026-01-03T10:00", "2026-01-02T09:00, 2026-01-03T10:00")
-    ]
-    assert joined_meta(metas)["date"] == "2026-01-02T09:00, 2026-01-03T10:00"
-
-
 def test_benchmark_merge_replaces_the_runs_of_a_variant_timed_again(tmp_path):
     old = [("knn/torch", 10.0), ("knn/torch", 11.0), ("knn/cpp", 1.0), ("knn/cpp", 1.2)]
     first = _benchmark_file(tmp_path / "old.json", "GPU", old)
