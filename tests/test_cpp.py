@@ -266,7 +266,9 @@ def test_forward_and_backward_replay_in_one_cuda_graph(ops):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        # detached: the autograd graph of the capture stream's run is not kept alive
+        # into the eager step below (its leaf's AccumulateGrad would be on that stream)
+        captured = [t.detach() for t in step()]
     r.add_(0.05 * torch.randn_like(r))  # moved points: the replay builds a new grid
     graph.replay()
     want = step()
