@@ -10,6 +10,7 @@ differentiates in ``Backend.position_grads``.
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICES
 from test_backends import (
     RADIUS,
     SIGMA,
@@ -407,3 +408,41 @@ def test_every_index_option_breaks_ties_alike(op, backend, device):
     ):
         _, i = extkernels.knn(q, r, K, backend=backend, **options)
         np.testing.assert_array_equal(i.cpu().numpy(), expected, err_msg=str(options))
+
+
+def doubled_cloud() -> tuple[torch.Tensor, torch.Tensor]:
+    """Random queries and every reference point twice (the copies apart in the index):
+    each pair of copies ties."""
+    g = _generator(6)
+    points = torch.rand(300, 3, generator=g)
+    return torch.rand(64, 3, generator=g), torch.cat([points, points])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "cloud, k",
+    [
+        ("random", 7),  # no ties
+        ("doubled", 8),  # ties inside the k kept, none at the k-th: topk's own order
+        ("doubled", 7),  # the k-th and the (k+1)-th tie: the keys
+        ("lattice", 7),
+    ],
+)
+def test_the_torch_search_orders_ties_alike_whether_or_not_the_kth_ties(
+    cloud, k, compiled, device
+):
+    if cloud == "lattice":
+        p_query, p_ref = lattice()
+    elif cloud == "doubled":
+        p_query, p_ref = doubled_cloud()
+    else:
+        p_query, p_ref = torch.rand(64, 3), torch.rand(300, 3)
+    search = brute_force.knn
+    if compiled:
+        torch.compiler.reset()
+        search = torch.compile(search, fullgraph=True)
+    d, i = search(*_on(device, p_query, p_ref), k)
+    i = i.cpu()
+    np.testing.assert_array_equal(i.numpy(), lowest_index_first(p_query, p_ref, k))
+    torch.testing.assert_close(d.cpu(), (p_query[:, None] - p_ref[i]).norm(dim=-1))

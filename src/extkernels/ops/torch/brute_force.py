@@ -23,6 +23,7 @@ are mostly masked ones.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..batches import cloud_of
 from ..positions import pairwise_distances, wants_grad, with_position_grads
@@ -92,6 +93,48 @@ def _nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return d.gather(1, indices), indices
 
 
+def _ordered(values: torch.Tensor, cols: torch.Tensor):
+    """``(values, cols)`` reordered by value, equal values by the lower column."""
+    by_col = cols.argsort(dim=1)
+    values, cols = values.gather(1, by_col), cols.gather(1, by_col)
+    by_value = values.argsort(dim=1, stable=True)
+    return values.gather(1, by_value), cols.gather(1, by_value)
+
+
+def _k_nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_nearest` at the cost of one ``topk`` of the distances themselves.
+
+    The order of ties matters only where the ``k``-th and the ``(k+1)``-th smallest
+    distance of a row are equal: otherwise the ``k`` kept are the row's ``k`` smallest
+    whatever ``topk`` did with ties, and sorting them by (distance, column) is cheap.
+    Only a search with such a tie (a lattice, copies of a point) pays for the keys.
+    Asking costs a wait for the GPU; where nothing can be read (fake tensors, a CUDA
+    graph's capture) the search takes the keys.
+    """
+    if d.dtype == torch.float64 or k >= d.shape[1] or not _readable(d):
+        return _nearest(d, k)
+    values, cols = d.topk(k + 1, dim=1, largest=False)
+    boundary = (values[:, k - 1] == values[:, k]).any()
+
+    def keys(d, values, cols):
+        return _nearest(d, k)
+
+    def kept(d, values, cols):
+        return _ordered(values[:, :k], cols[:, :k])
+
+    if torch.compiler.is_compiling():  # a branch of the graph, read on the device
+        return torch.cond(boundary, keys, kept, (d, values, cols))
+    return (keys if boundary else kept)(d, values, cols)
+
+
+def _readable(d: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    if is_fake(d) or d.device.type == "meta":
+        return False
+    return not (d.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _masked(d: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:
     return d if same is None else d.masked_fill(~same, torch.inf)
 
@@ -123,7 +166,7 @@ def knn(
     chunk_size = _batch_chunk(p_ref, chunk_size, query_offsets)
     with torch.no_grad():
         parts = [
-            _nearest(_masked(_distances(q, p_ref), same), k)
+            _k_nearest(_masked(_distances(q, p_ref), same), k)
             for q, same in _clouds(
                 p_query, p_ref, query_offsets, ref_offsets, chunk_size
             )
