@@ -7,6 +7,8 @@ Part of the conformance suite: a backend joins by registering, and lists what it
 differentiates in ``Backend.position_grads``.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -421,24 +423,29 @@ def doubled_cloud() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(
-    "cloud, k",
+    "cloud, k, chunk_size",
     [
-        ("random", 7),  # no ties
-        ("doubled", 8),  # ties inside the k kept, none at the k-th: topk's own order
-        ("doubled", 7),  # the k-th and the (k+1)-th tie: the keys
-        ("lattice", 7),
+        ("random", 7, None),  # no ties
+        ("doubled", 8, None),  # ties inside the k kept, none at the k-th
+        ("doubled", 7, None),  # the k-th and the (k+1)-th tie: the keys
+        ("lattice", 7, None),
+        ("mixed", 7, 10),  # slices of queries: the first ties at the k-th, no other
     ],
 )
 def test_the_torch_search_orders_ties_alike_whether_or_not_the_kth_ties(
-    cloud, k, compiled, device
+    cloud, k, compiled, chunk_size, device
 ):
     if cloud == "lattice":
         p_query, p_ref = lattice()
+    elif cloud == "mixed":  # ten cell centres of the lattice, then random queries
+        p_query, p_ref = lattice()
+        spread = 5 * torch.rand(30, 3, generator=_generator(7))
+        p_query = torch.cat([p_query[:10], spread])
     elif cloud == "doubled":
         p_query, p_ref = doubled_cloud()
     else:
         p_query, p_ref = torch.rand(64, 3), torch.rand(300, 3)
-    search = brute_force.knn
+    search = functools.partial(brute_force.knn, chunk_size=chunk_size)
     if compiled:
         torch.compiler.reset()
         search = torch.compile(search, fullgraph=True)

@@ -101,20 +101,38 @@ def _ordered(values: torch.Tensor, cols: torch.Tensor):
     return values.gather(1, by_value), cols.gather(1, by_value)
 
 
-def _k_nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_nearest` at the cost of one ``topk`` of the distances themselves.
+def _search(chunks, p_ref: torch.Tensor, k: int) -> list:
+    """Each chunk's :func:`_nearest` at the cost of one ``topk`` of its distances.
 
     The order of ties matters only where the ``k``-th and the ``(k+1)``-th smallest
     distance of a row are equal: otherwise the ``k`` kept are the row's ``k`` smallest
     whatever ``topk`` did with ties, and sorting them by (distance, column) is cheap.
-    Only a search with such a tie (a lattice, copies of a point) pays for the keys.
-    Asking costs a wait for the GPU; where nothing can be read (fake tensors, a CUDA
-    graph's capture) the search takes the keys.
+    Only a chunk with such a tie (a lattice, copies of a point) pays for the keys.
+    Eager, one wait for the GPU reads every chunk's answer; compiled, each chunk is a
+    branch of the graph. Where nothing can be read (fake tensors, a CUDA graph's
+    capture) every chunk takes the keys.
     """
-    if d.dtype == torch.float64 or k >= d.shape[1] or not _readable(d):
+
+    def distances(q, same):
+        return _masked(_distances(q, p_ref), same)
+
+    if torch.compiler.is_compiling():
+        return [_k_nearest(distances(q, same), k) for q, same in chunks]
+    if p_ref.dtype == torch.float64 or k >= p_ref.shape[0] or not _readable(p_ref):
+        return [_nearest(distances(q, same), k) for q, same in chunks]
+    tops = [distances(q, same).topk(k + 1, dim=1, largest=False) for q, same in chunks]
+    tied = torch.stack([(v[:, k - 1] == v[:, k]).any() for v, _ in tops]).tolist()
+    return [
+        _nearest(distances(q, same), k) if tie else _ordered(v[:, :k], c[:, :k])
+        for (q, same), (v, c), tie in zip(chunks, tops, tied, strict=True)
+    ]
+
+
+def _k_nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_search`'s branch for one chunk of a compiled graph."""
+    if d.dtype == torch.float64 or k >= d.shape[1]:
         return _nearest(d, k)
     values, cols = d.topk(k + 1, dim=1, largest=False)
-    boundary = (values[:, k - 1] == values[:, k]).any()
 
     def keys(d, values, cols):
         return _nearest(d, k)
@@ -122,17 +140,14 @@ def _k_nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     def kept(d, values, cols):
         return _ordered(values[:, :k], cols[:, :k])
 
-    if torch.compiler.is_compiling():  # a branch of the graph, read on the device
-        return torch.cond(boundary, keys, kept, (d, values, cols))
-    return (keys if boundary else kept)(d, values, cols)
+    tied = (values[:, k - 1] == values[:, k]).any()
+    return torch.cond(tied, keys, kept, (d, values, cols))
 
 
-def _readable(d: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    if is_fake(d) or d.device.type == "meta":
+def _readable(t: torch.Tensor) -> bool:
+    if is_fake(t) or t.device.type == "meta":
         return False
-    return not (d.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _masked(d: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:
@@ -164,13 +179,9 @@ def knn(
         p_ref; the distances differentiable in both clouds.
     """
     chunk_size = _batch_chunk(p_ref, chunk_size, query_offsets)
+    chunks = _clouds(p_query, p_ref, query_offsets, ref_offsets, chunk_size)
     with torch.no_grad():
-        parts = [
-            _k_nearest(_masked(_distances(q, p_ref), same), k)
-            for q, same in _clouds(
-                p_query, p_ref, query_offsets, ref_offsets, chunk_size
-            )
-        ]
+        parts = _search(chunks, p_ref, k)
     if len(parts) == 1:
         distances, indices = parts[0]
     else:
