@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..batches import cloud_of
+from ..capture import capturing
 from ..positions import pairwise_distances, wants_grad, with_position_grads
 
 __all__ = ["BATCH_CHUNK", "knn", "radius_aggregate"]
@@ -93,8 +94,17 @@ def _nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return d.gather(1, indices), indices
 
 
-def _ordered(values: torch.Tensor, cols: torch.Tensor):
-    """``(values, cols)`` reordered by value, equal values by the lower column."""
+def _top(d: torch.Tensor, k: int):
+    """The ``k + 1`` smallest of each row of ``d`` (``values, cols``, ascending, ties in
+    ``topk``'s order) and whether any row's ``k``-th and ``(k+1)``-th are equal."""
+    values, cols = d.topk(k + 1, dim=1, largest=False)
+    return values, cols, (values[:, k - 1] == values[:, k]).any()
+
+
+def _ordered(values: torch.Tensor, cols: torch.Tensor, k: int):
+    """The first ``k`` of :func:`_top`'s ``(values, cols)``, equal values by the lower
+    column."""
+    values, cols = values[:, :k], cols[:, :k]
     by_col = cols.argsort(dim=1)
     values, cols = values.gather(1, by_col), cols.gather(1, by_col)
     by_value = values.argsort(dim=1, stable=True)
@@ -116,38 +126,36 @@ def _search(chunks, p_ref: torch.Tensor, k: int) -> list:
     def distances(q, same):
         return _masked(_distances(q, p_ref), same)
 
-    if torch.compiler.is_compiling():
-        return [_k_nearest(distances(q, same), k) for q, same in chunks]
     if p_ref.dtype == torch.float64 or k >= p_ref.shape[0] or not _readable(p_ref):
         return [_nearest(distances(q, same), k) for q, same in chunks]
-    tops = [distances(q, same).topk(k + 1, dim=1, largest=False) for q, same in chunks]
-    tied = torch.stack([(v[:, k - 1] == v[:, k]).any() for v, _ in tops]).tolist()
+    if torch.compiler.is_compiling():
+        return [_branch(distances(q, same), k) for q, same in chunks]
+    tops = [_top(distances(q, same), k) for q, same in chunks]
+    tied = torch.stack([tie for *_, tie in tops]).tolist()
     return [
-        _nearest(distances(q, same), k) if tie else _ordered(v[:, :k], c[:, :k])
-        for (q, same), (v, c), tie in zip(chunks, tops, tied, strict=True)
+        _nearest(distances(q, same), k) if tie else _ordered(v, c, k)
+        for (q, same), (v, c, _), tie in zip(chunks, tops, tied, strict=True)
     ]
 
 
-def _k_nearest(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_search`'s branch for one chunk of a compiled graph."""
-    if d.dtype == torch.float64 or k >= d.shape[1]:
-        return _nearest(d, k)
-    values, cols = d.topk(k + 1, dim=1, largest=False)
+def _branch(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_search` for one chunk of a compiled graph: the keys or the kept
+    ``k``, a branch the device's answer picks."""
+    values, cols, tied = _top(d, k)
 
     def keys(d, values, cols):
         return _nearest(d, k)
 
     def kept(d, values, cols):
-        return _ordered(values[:, :k], cols[:, :k])
+        return _ordered(values, cols, k)
 
-    tied = (values[:, k - 1] == values[:, k]).any()
     return torch.cond(tied, keys, kept, (d, values, cols))
 
 
 def _readable(t: torch.Tensor) -> bool:
-    if is_fake(t) or t.device.type == "meta":
-        return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    if torch.compiler.is_compiling():
+        return True
+    return not (is_fake(t) or t.device.type == "meta" or capturing())
 
 
 def _masked(d: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:
