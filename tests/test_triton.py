@@ -47,6 +47,23 @@ def test_search_is_exact(kind, m, n, k, cells, grid):
     torch.testing.assert_close(at, d, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("grid, cells", [(False, None), (True, None), (True, 64)])
+@pytest.mark.parametrize("k", [1, 7, 20])
+def test_the_kernels_keep_the_lowest_index_of_equal_distances(k, grid, cells):
+    """On the integer lattice many points lie at exactly equal distances: the kept
+    lists, grid walk, brute force and the grid's brute-force restart (``cells=64``),
+    hold the lowest reference indices, in order."""
+    side = torch.arange(6, dtype=torch.float32)
+    r = torch.cartesian_prod(side, side, side)
+    r = r[torch.randperm(len(r), generator=torch.Generator().manual_seed(5))]
+    q = torch.cat([torch.cartesian_prod(*[torch.arange(5) + 0.5] * 3)[::7], r[:20]])
+    d2 = (q[:, None, :] - r[None, :, :]).square().sum(-1)  # exact: multiples of 1/4
+    key = (4 * d2).long() * len(r) + torch.arange(len(r))  # by distance, then index
+    want = key.argsort(dim=1)[:, :k]
+    _, i = ops.launch_knn(q.to(DEVICE), r.to(DEVICE), k, grid=grid, cells=cells)
+    assert torch.equal(i.cpu(), want)
+
+
 def test_queries_outside_the_reference_box_are_exact():
     q, r = _clouds("random", 30, 300)
     q = q * 5.0  # most queries fall outside the cloud's box, in its border cells
