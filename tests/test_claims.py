@@ -1,0 +1,201 @@
+"""The prose's comparisons of the benchmark file's rows, each tied to its sentence.
+
+A page reads timings from ``book/data/benchmark-h200.json`` and a person writes what
+they show: which runs overlap, which are apart, which median is longer. When the file is
+measured again, a sentence that no longer reads what the runs show fails here. Each
+check names the words of its sentence, which must still stand on the page: a sentence
+rewritten takes its check along.
+
+Ranges are a variant's fastest to slowest run (``*_min`` .. ``*_max``), medians its
+``*_ms``; ``forward`` is the forward pass, ``train`` the training step."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nbformat
+import pandas as pd
+import pytest
+from conftest import ROOT
+
+from extkernels import results
+
+BENCHMARK = ROOT / "book" / "data" / "benchmark-h200.json"
+BOTH = ("forward", "train")
+
+
+def overlap(t: pd.DataFrame, a: str, b: str, *metrics: str) -> bool:
+    """Whether the runs of ``a`` and ``b`` overlap in every one of ``metrics``."""
+    return all(
+        t.at[a, f"{m}_min"] <= t.at[b, f"{m}_max"]
+        and t.at[b, f"{m}_min"] <= t.at[a, f"{m}_max"]
+        for m in metrics
+    )
+
+
+def below(t: pd.DataFrame, a: str, b: str, *metrics: str) -> bool:
+    """Whether every run of ``a`` is shorter than every run of ``b``, in every one of
+    ``metrics``."""
+    return all(t.at[a, f"{m}_max"] < t.at[b, f"{m}_min"] for m in metrics)
+
+
+def longer(t: pd.DataFrame, a: str, b: str, metric: str) -> bool:
+    """Whether the median of ``a`` is longer than that of ``b``."""
+    return t.at[a, f"{metric}_ms"] > t.at[b, f"{metric}_ms"]
+
+
+def within(t: pd.DataFrame, a: str, b: str, share: float, *metrics: str) -> bool:
+    """Whether the medians of ``a`` and ``b`` differ by less than ``share`` of
+    ``b``'s."""
+    return all(
+        abs(t.at[a, f"{m}_ms"] / t.at[b, f"{m}_ms"] - 1) < share for m in metrics
+    )
+
+
+@dataclass(frozen=True)
+class Claim:
+    page: str
+    words: str
+    holds: Callable[[pd.DataFrame], bool]
+
+
+RO = "radius/warp+reduce-overhead"
+WARP_COMPILED = [
+    "radius/warp+compile",
+    "radius/warp-manual+compile",
+    "radius/warp-saved+compile",
+    "radius/warp+reduce-overhead",
+]
+
+CLAIMS = [
+    Claim(
+        "03_cuml_knn",
+        "the direct call's runs and the operator's, eager or compiled, overlap",
+        lambda t: (
+            overlap(t, "knn/cuml", "knn/cuml-op", *BOTH)
+            and overlap(t, "knn/cuml+compile", "knn/cuml-op+compile", *BOTH)
+        ),
+    ),
+    Claim(
+        "04_rmm_pool",
+        "Every shared-pool run is shorter than every run without a pool, in the "
+        "forward pass and in the training step",
+        lambda t: below(t, "knn/cuml-op+compile+rmm", "knn/cuml-op+compile", *BOTH),
+    ),
+    Claim(
+        "04_rmm_pool",
+        "the RAPIDS-only runs overlap the shared ones",
+        lambda t: overlap(
+            t, "knn/cuml-op+compile+rmm-rapids", "knn/cuml-op+compile+rmm", *BOTH
+        ),
+    ),
+    Claim(
+        "05_warp_radius",
+        "Compiled, its median forward pass is longer than eager, the ranges "
+        "overlapping",
+        lambda t: (
+            longer(t, "radius/warp+compile", "radius/warp", "forward")
+            and overlap(t, "radius/warp+compile", "radius/warp", "forward")
+        ),
+    ),
+    Claim(
+        "06_warp_backward",
+        "ms eager, the ranges overlapping",
+        lambda t: overlap(t, "radius/warp+compile", "radius/warp", "train"),
+    ),
+    Claim(
+        "06_warp_backward",
+        "The hand-written scatter and the hand-over through `ctx` have longer medians "
+        "than the pool's, ranges overlapping too.",
+        lambda t: all(
+            longer(t, v, "radius/warp+compile", "train")
+            and overlap(t, v, "radius/warp+compile", "train")
+            for v in ("radius/warp-manual+compile", "radius/warp-saved+compile")
+        ),
+    ),
+    Claim(
+        "06_warp_backward",
+        "With `reduce-overhead` the median step is shorter than in the default mode; "
+        "the ranges overlap.",
+        lambda t: (
+            longer(t, "radius/warp+compile", RO, "train")
+            and overlap(t, "radius/warp+compile", RO, "train")
+        ),
+    ),
+    Claim(
+        "06_warp_backward",
+        "Every compiled variant's training-step range overlaps the eager one's.",
+        lambda t: all(overlap(t, v, "radius/warp", "train") for v in WARP_COMPILED),
+    ),
+    Claim(
+        "07_warp_interop",
+        "Eager, every training run on the calling thread is shorter than every run on "
+        "autograd's thread; compiled, the runs overlap.",
+        lambda t: (
+            below(t, "radius/warp+1thread", "radius/warp", "train")
+            and overlap(
+                t, "radius/warp+compile+1thread", "radius/warp+compile", "train"
+            )
+        ),
+    ),
+    Claim(
+        "09_cuda_knn",
+        "Eager, the step's runs overlap the floor's",
+        lambda t: overlap(t, "knn/cpp", "knn/floor", "train"),
+    ),
+    Claim(
+        "09_cuda_knn",
+        "ms, more than the step captured by hand",
+        lambda t: longer(t, "knn/cpp+reduce-overhead", "knn/cpp+graphs", "train"),
+    ),
+    Claim(
+        "10_ptx_gather",
+        "In one CUDA graph the projector is within 1 % of chapter 9's",
+        lambda t: within(t, "knn/ptx+graphs", "knn/cpp+graphs", 0.01, *BOTH),
+    ),
+    Claim(
+        "10_ptx_gather",
+        "Eager, its forward and training runs overlap chapter 9's",
+        lambda t: overlap(t, "knn/ptx", "knn/cpp", *BOTH),
+    ),
+    Claim(
+        "10_ptx_gather",
+        "every compiled forward run is slower than every eager one",
+        lambda t: below(t, "knn/ptx", "knn/ptx+compile", "forward"),
+    ),
+]
+
+
+def page_text(page: str) -> str:
+    """A page's markdown, its whitespace runs made single spaces."""
+    nb = nbformat.read(ROOT / "book" / f"{page}.ipynb", as_version=4)
+    return " ".join(
+        " ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown"
+    )
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}")
+def test_a_sentence_reads_what_the_benchmark_runs_show(claim):
+    assert claim.words in page_text(claim.page), (
+        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
+    )
+    _, table = results.load(BENCHMARK)
+    assert claim.holds(table), (
+        f"{claim.page}: {claim.words!r} no longer reads what "
+        f"{BENCHMARK.name}'s runs show"
+    )
+
+
+def test_the_checks_see_a_sentence_the_runs_contradict():
+    t = pd.DataFrame(
+        {
+            "train_ms": [1.0, 2.0],
+            "train_min": [0.9, 1.9],
+            "train_max": [1.1, 2.1],
+        },
+        index=["a", "b"],
+    )
+    assert below(t, "a", "b", "train") and not overlap(t, "a", "b", "train")
+    assert longer(t, "b", "a", "train") and not longer(t, "a", "b", "train")
+    assert not within(t, "a", "b", 0.01, "train")
+    t.loc["b", "train_min"] = 1.0
+    assert overlap(t, "a", "b", "train") and not below(t, "a", "b", "train")
