@@ -1,14 +1,17 @@
-"""The prose's comparisons of the benchmark file's rows, each tied to its sentence.
+"""The prose's comparisons of measured rows, each tied to its sentence.
 
-A page reads timings from ``book/data/benchmark-h200.json`` and a person writes what
-they show: which runs overlap, which are apart, which median is longer. When the file is
-measured again, a sentence that no longer reads what the runs show fails here. Each
-check names the words of its sentence, which must still stand on the page: a sentence
-rewritten takes its check along.
+A page reads timings from ``book/data/benchmark-h200.json`` (chapter 16 from
+``batched-h200.json``) and a person writes what they show: which runs overlap, which
+are apart, which median is longer. When a file is measured again, a sentence that no
+longer reads what the runs show fails here. Each check names the words of its sentence,
+which must still stand on the page: a sentence rewritten takes its check along.
 
 Ranges are a variant's fastest to slowest run (``*_min`` .. ``*_max``), medians its
-``*_ms``; ``forward`` is the forward pass, ``train`` the training step."""
+``*_ms``; ``forward`` is the forward pass, ``train`` the training step, ``search`` a
+search of chapter 16's file (its rows ``"case: method"``)."""
 
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ from conftest import ROOT
 from extkernels import results
 
 BENCHMARK = ROOT / "book" / "data" / "benchmark-h200.json"
+BATCHED = ROOT / "book" / "data" / "batched-h200.json"
 BOTH = ("forward", "train")
 
 
@@ -165,6 +169,48 @@ CLAIMS = [
 ]
 
 
+def crossover(t: pd.DataFrame, below_size: int, above_size: int) -> bool:
+    """Whether the brute force over the batch (``knn_batched``) beats a loop of tree
+    searches on clouds up to ``below_size`` points, and the loop beats it from
+    ``above_size``, every run apart (chapter 16's crossover rows, ``"crossover: 8 x
+    4,096, fused, knn_batched"``)."""
+    sizes = {
+        int(m.group(1).replace(",", ""))
+        for m in map(re.compile(r"crossover: \d+ x ([\d,]+), ").match, t.index)
+        if m
+    }
+    batched = "crossover: 8 x {:,}, fused, knn_batched".format
+    loop = "crossover: 8 x {:,}, fused, loop of clouds".format
+    small = [below(t, batched(n), loop(n), "search") for n in sizes if n <= below_size]
+    large = [below(t, loop(n), batched(n), "search") for n in sizes if n >= above_size]
+    return bool(small) and bool(large) and all(small + large)
+
+
+BATCHED_CLAIMS = [
+    Claim(
+        "16_your_model",
+        "beats the tree search that `ek.knn` runs on one cloud",
+        lambda t: below(t, "single: fused, knn_batched", "single: fused", "search"),
+    ),
+    Claim(
+        "16_your_model",
+        "the crossover rows place the turn between 4,096 and 16,384 points per cloud",
+        lambda t: crossover(t, 4096, 16384),
+    ),
+]
+
+
+def searches() -> pd.DataFrame:
+    """Chapter 16's file as rows ``"case: method"``: the median, fastest and slowest of
+    its runs."""
+    runs = pd.DataFrame(json.loads(BATCHED.read_text())["runs"])
+    runs.index = runs["case"] + ": " + runs["method"]
+    ms = runs["ms"].groupby(level=0)
+    return pd.DataFrame(
+        {"search_ms": ms.median(), "search_min": ms.min(), "search_max": ms.max()}
+    )
+
+
 def page_text(page: str) -> str:
     """A page's markdown, its whitespace runs made single spaces."""
     nb = nbformat.read(ROOT / "book" / f"{page}.ipynb", as_version=4)
@@ -182,6 +228,18 @@ def test_a_sentence_reads_what_the_benchmark_runs_show(claim):
     assert claim.holds(table), (
         f"{claim.page}: {claim.words!r} no longer reads what "
         f"{BENCHMARK.name}'s runs show"
+    )
+
+
+@pytest.mark.parametrize(
+    "claim", BATCHED_CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}"
+)
+def test_a_sentence_reads_what_the_batched_runs_show(claim):
+    assert claim.words in page_text(claim.page), (
+        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
+    )
+    assert claim.holds(searches()), (
+        f"{claim.page}: {claim.words!r} no longer reads what {BATCHED.name}'s runs show"
     )
 
 
