@@ -52,7 +52,7 @@ def test_search_is_exact(kind, m, n, k, cells, grid):
 def test_the_kernels_keep_the_lowest_index_of_equal_distances(k, grid, cells):
     """On the integer lattice many points lie at exactly equal distances: the kept
     lists, grid walk, brute force and the grid's brute-force restart (``cells=64``),
-    hold the lowest reference indices, in order."""
+    of the search and of the fused kernel, hold the lowest reference indices."""
     side = torch.arange(6, dtype=torch.float32)
     r = torch.cartesian_prod(side, side, side)
     r = r[torch.randperm(len(r), generator=torch.Generator().manual_seed(5))]
@@ -60,8 +60,13 @@ def test_the_kernels_keep_the_lowest_index_of_equal_distances(k, grid, cells):
     d2 = (q[:, None, :] - r[None, :, :]).square().sum(-1)  # exact: multiples of 1/4
     key = (4 * d2).long() * len(r) + torch.arange(len(r))  # by distance, then index
     want = key.argsort(dim=1)[:, :k]
-    _, i = ops.launch_knn(q.to(DEVICE), r.to(DEVICE), k, grid=grid, cells=cells)
+    q, r = q.to(DEVICE), r.to(DEVICE)
+    _, i = ops.launch_knn(q, r, k, grid=grid, cells=cells)
     assert torch.equal(i.cpu(), want)
+    # The fused kernel keeps the same lists, its indices in no particular order.
+    feats = torch.ones(len(r), 2, device=DEVICE)
+    *_, i = ops.launch_knn_aggregate(q, r, feats, k, 0.5, grid=grid, cells=cells)
+    assert torch.equal(i.cpu().sort(dim=1).values, want.sort(dim=1).values)
 
 
 def test_queries_outside_the_reference_box_are_exact():
