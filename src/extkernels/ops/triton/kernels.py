@@ -19,7 +19,7 @@ over the reference cloud:
 import triton
 import triton.language as tl
 
-from .lists import NO_POINT, offer
+from .lists import NO_POINT, rows_of, take_better, worst
 
 __all__ = [
     "merge_tile",
@@ -96,7 +96,9 @@ def merge_tile(
     # Only the tile's points that come before a query's worst kept one can enter its
     # list, at most K of them (KP bounds it): take the tile's first that many times.
     # Once the lists are good, most tiles need no round at all.
-    return offer(d, r[None, :], index_ptr, best_d, best_i, cols, MAPPED)
+    worst_d, worst_i = worst(best_d, best_i)
+    rows = rows_of(r[None, :], d, index_ptr, worst_d, MAPPED)
+    return take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
 
 
 @triton.jit
@@ -144,7 +146,9 @@ def cube(
         dx, dy, dz = qx[:, None] - rx, qy[:, None] - ry, qz[:, None] - rz
         d = tl.where(r_in, dx * dx + dy * dy + dz * dz, float("inf"))
         # As in merge_tile: only candidates before the worst kept one matter.
-        best_d, best_i = offer(d, r, index_ptr, best_d, best_i, cols, True)
+        worst_d, worst_i = worst(best_d, best_i)
+        rows = rows_of(r, d, index_ptr, worst_d, True)
+        best_d, best_i = take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
     return best_d, best_i
 
 

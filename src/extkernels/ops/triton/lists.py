@@ -8,15 +8,7 @@ every backend of the book.
 import triton
 import triton.language as tl
 
-__all__ = [
-    "NO_POINT",
-    "before",
-    "merge_one",
-    "offer",
-    "rows_of",
-    "take_better",
-    "worst",
-]
+__all__ = ["NO_POINT", "before", "merge_one", "rows_of", "take_better", "worst"]
 
 #: The index of no point: larger than every row, so it loses every tie.
 NO_POINT = tl.constexpr(2**31 - 1)
@@ -57,10 +49,12 @@ def rows_of(r, d, index_ptr, worst_d, MAPPED: tl.constexpr):
     read only for candidates as near as a query's worst kept one ``worst_d`` (the others
     cannot enter); :data:`NO_POINT` for no candidate."""
     near = d <= worst_d[:, None]
+    rows = tl.where(near, r, NO_POINT)
+    # A block reads the rows only when one of its candidates may enter: once the lists
+    # are good, most steps of a walk have none, and skip the gather.
     if MAPPED:
-        rows = tl.load(index_ptr + r, mask=near, other=NO_POINT).to(tl.int32)
-    else:
-        rows = tl.where(near, r, NO_POINT)
+        if tl.max(near.to(tl.int32)) > 0:
+            rows = tl.load(index_ptr + r, mask=near, other=NO_POINT).to(tl.int32)
     return tl.where(d < float("inf"), rows, NO_POINT)
 
 
@@ -77,17 +71,4 @@ def take_better(d, rows, worst_d, worst_i, best_d, best_i, cols):
         best_d, best_i = merge_one(first_d, first_i, best_d, best_i, cols)
         taken = (d == first_d[:, None]) & (rows == first_i[:, None])
         d = tl.where(taken, float("inf"), d)
-    return best_d, best_i
-
-
-@triton.jit
-def offer(d, r, index_ptr, best_d, best_i, cols, MAPPED: tl.constexpr):
-    """Candidates (distances ``d``, positions ``r`` in ``r_ptr``) into the kept lists.
-    Only those as near as a query's worst kept one can enter; when the block has none,
-    the common case once the lists are good, the rows and the tie rule cost nothing."""
-    worst_d = tl.max(best_d, axis=1)
-    if tl.max((d <= worst_d[:, None]).to(tl.int32)) > 0:
-        worst_d, worst_i = worst(best_d, best_i)
-        rows = rows_of(r, d, index_ptr, worst_d, MAPPED)
-        best_d, best_i = take_better(d, rows, worst_d, worst_i, best_d, best_i, cols)
     return best_d, best_i
