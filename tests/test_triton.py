@@ -1,11 +1,14 @@
 """The Triton kNN kernels (chapter 8): exact against SciPy's k-d tree, run
 by Triton's interpreter on CPU tensors where there is no GPU."""
 
+import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 cKDTree = pytest.importorskip("scipy.spatial").cKDTree
+
+from test_position_grads import lattice, lowest_index_first  # noqa: E402
 
 from extkernels.ops.triton import kernels, ops  # noqa: E402 (interpreter: conftest)
 
@@ -53,20 +56,17 @@ def test_the_kernels_keep_the_lowest_index_of_equal_distances(k, grid, cells):
     """On the integer lattice many points lie at exactly equal distances: the kept
     lists, grid walk, brute force and the grid's brute-force restart (``cells=64``),
     of the search and of the fused kernel, hold the lowest reference indices."""
-    side = torch.arange(6, dtype=torch.float32)
-    r = torch.cartesian_prod(side, side, side)
-    r = r[torch.randperm(len(r), generator=torch.Generator().manual_seed(5))]
-    q = torch.cat([torch.cartesian_prod(*[torch.arange(5) + 0.5] * 3)[::7], r[:20]])
-    d2 = (q[:, None, :] - r[None, :, :]).square().sum(-1)  # exact: multiples of 1/4
-    key = (4 * d2).long() * len(r) + torch.arange(len(r))  # by distance, then index
-    want = key.argsort(dim=1)[:, :k]
-    q, r = q.to(DEVICE), r.to(DEVICE)
+    p_query, p_ref = lattice()
+    want = lowest_index_first(p_query, p_ref, k)
+    q, r = p_query.to(DEVICE), p_ref.to(DEVICE)
     _, i = ops.launch_knn(q, r, k, grid=grid, cells=cells)
-    assert torch.equal(i.cpu(), want)
+    np.testing.assert_array_equal(i.cpu().numpy(), want)
     # The fused kernel keeps the same lists, its indices in no particular order.
     feats = torch.ones(len(r), 2, device=DEVICE)
     *_, i = ops.launch_knn_aggregate(q, r, feats, k, 0.5, grid=grid, cells=cells)
-    assert torch.equal(i.cpu().sort(dim=1).values, want.sort(dim=1).values)
+    np.testing.assert_array_equal(
+        np.sort(i.cpu().numpy(), axis=1), np.sort(want, axis=1)
+    )
 
 
 def test_queries_outside_the_reference_box_are_exact():

@@ -153,6 +153,8 @@ def _branch(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _readable(t: torch.Tensor) -> bool:
+    """Whether a value computed beside ``t`` can be read (or, compiling, branched on):
+    not under fake tensors, on the meta device or in a CUDA graph's capture."""
     if torch.compiler.is_compiling():
         return True
     return not (is_fake(t) or t.device.type == "meta" or capturing())
