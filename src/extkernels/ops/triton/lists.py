@@ -49,12 +49,10 @@ def rows_of(r, d, index_ptr, worst_d, MAPPED: tl.constexpr):
     read only for candidates as near as a query's worst kept one ``worst_d`` (the others
     cannot enter); :data:`NO_POINT` for no candidate."""
     near = d <= worst_d[:, None]
-    rows = tl.where(near, r, NO_POINT)
-    # A block reads the rows only when one of its candidates may enter: once the lists
-    # are good, most steps of a walk have none, and skip the gather.
     if MAPPED:
-        if tl.max(near.to(tl.int32)) > 0:
-            rows = tl.load(index_ptr + r, mask=near, other=NO_POINT).to(tl.int32)
+        rows = tl.load(index_ptr + r, mask=near, other=NO_POINT).to(tl.int32)
+    else:
+        rows = tl.where(near, r, NO_POINT)
     return tl.where(d < float("inf"), rows, NO_POINT)
 
 
