@@ -112,8 +112,10 @@ def _float64(p_query, p_ref, scale: float = 1.0):
 def test_reference_passes_gradcheck(op, cloud):
     # (Not the clusters: points 1e-3 apart are reordered by gradcheck's own steps.)
     p_query, p_ref = _cloud(cloud)
-    # the grid's first queries and the last ones (the far queries of "far queries")
-    q, r, f = _float64(torch.cat([p_query[:40], p_query[-20:]]), p_ref[:200])
+    # the grid's first queries and the last ones (the far queries of "far queries"):
+    # gradcheck's cost grows with outputs times inputs, so few queries against every
+    # perturbed reference point (about half the queries have a neighbour in the radius)
+    q, r, f = _float64(torch.cat([p_query[:20], p_query[-10:]]), p_ref[:200])
     assert torch.autograd.gradcheck(_reference_fn(op), _inputs(op, q, r, f))
 
 
@@ -124,7 +126,7 @@ def test_reference_passes_gradcheck_on_duplicates_for_queries_and_features(op):
     # would break the tie: that derivative is one-sided, and not checked here.
     p_query, p_ref = _cloud("duplicates")
     half = len(p_ref) // 2  # the cloud is its first half twice: 100 points, twice
-    q, r, f = _float64(p_query[:60], torch.cat([p_ref[:100], p_ref[half : half + 100]]))
+    q, r, f = _float64(p_query[:30], torch.cat([p_ref[:100], p_ref[half : half + 100]]))
     r.requires_grad_(False)
     assert torch.autograd.gradcheck(_reference_fn(op), _inputs(op, q, r, f))
 
@@ -154,7 +156,7 @@ def test_a_zero_distance_gives_a_finite_gradient_to_every_order(op):
 @pytest.mark.parametrize("op", OPS)
 def test_reference_second_order_passes_gradgradcheck(op):
     p_query, p_ref = _cloud("random")
-    q, r, f = _float64(p_query[:30], p_ref[:120])
+    q, r, f = _float64(p_query[:15], p_ref[:120])
     assert torch.autograd.gradgradcheck(_reference_fn(op), _inputs(op, q, r, f))
 
 
