@@ -268,11 +268,14 @@ def test_the_reference_passes_gradcheck_in_float64():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_cuda_sources_compile(tmp_path):
-    # As test_cpp.py's test of chapter 9's source, with both libraries' headers: the
-    # batched kNN's kernel and chapter 16's radius search, as one translation unit (the
-    # headers are read once).
-    sources = ["knn_batched_cuda.cu", "radius_search_cuda.cu"]
+    # Chapter 9's kNN kernel, the batched kNN's and chapter 16's radius search, as one
+    # translation unit: PyTorch's headers, most of the time, are read once.
+    sources = [
+        cpp_build.CSRC / "knn_cuda.cu",
+        build.CSRC / "knn_batched_cuda.cu",
+        build.CSRC / "radius_search_cuda.cu",
+    ]
     both = tmp_path / "both.cu"
-    both.write_text("".join(f'#include "{build.CSRC / s}"\n' for s in sources))
+    both.write_text("".join(f'#include "{s}"\n' for s in sources))
     folders = [cpp_build.CSRC, build.CSRC]
     nvcc_compiles(both, folders, build.defines(), tmp_path)
