@@ -1,8 +1,9 @@
 """The C++ backend (chapter 9) beyond the conformance suite: the kernels built just in
 time, exact against SciPy's k-d tree on random and awkward clouds at sizes that need
 many rings, every feature dtype, the float4 gather, the value-check switch, capture in a
-CUDA graph; and the CUDA source compiled by ``nvcc`` where it is installed, so that a
-syntax error in it never waits for a GPU."""
+CUDA graph. Its CUDA source is compiled by ``nvcc`` where it is installed, so that a
+syntax error in it never waits for a GPU: in test_fused_batched.py, with the fused
+library's sources, as one translation unit."""
 
 import math
 import os
@@ -274,9 +275,6 @@ def test_forward_and_backward_replay_in_one_cuda_graph(ops):
     assert not torch.allclose(want[0], before[0])
     for got, expected in zip(captured, want, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
-
-
-# The CUDA source compiles for sm_90: test_fused_batched.py, with the fused library's.
 
 
 def test_stable_coverage_lists_the_aten_calls_of_the_sources():

@@ -1,8 +1,9 @@
 """The fused backend's batched brute-force kNN (chapter 11): exact against SciPy's
 k-d tree cloud by cloud, with global rows and ties to the lower row, the same as the
 single-cloud search for one cloud, its errors naming the argument, its fake, its
-compiled form and its gradients in both clouds; and its CUDA source compiled by
-``nvcc`` where it is installed (the kernel itself runs in the `gpu` variants)."""
+compiled form and its gradients in both clouds; and its CUDA source, with chapter 9's
+and chapter 16's radius search, compiled by ``nvcc`` where it is installed (the kernel
+itself runs in the `gpu` variants)."""
 
 import shutil
 
@@ -275,7 +276,7 @@ def test_cuda_sources_compile(tmp_path):
         build.CSRC / "knn_batched_cuda.cu",
         build.CSRC / "radius_search_cuda.cu",
     ]
-    both = tmp_path / "both.cu"
-    both.write_text("".join(f'#include "{s}"\n' for s in sources))
+    unit = tmp_path / "unit.cu"
+    unit.write_text("".join(f'#include "{s}"\n' for s in sources))
     folders = [cpp_build.CSRC, build.CSRC]
-    nvcc_compiles(both, folders, build.defines(), tmp_path)
+    nvcc_compiles(unit, folders, build.defines(), tmp_path)
