@@ -119,8 +119,9 @@ def _search(chunks, p_ref: torch.Tensor, k: int) -> list:
     whatever ``topk`` did with ties, and sorting them by (distance, column) is cheap.
     Only a chunk with such a tie (a lattice, copies of a point) pays for the keys.
     Eager, one wait for the GPU reads every chunk's answer; compiled for a GPU, each
-    chunk is a branch of the graph. Where nothing can be read (fake tensors, a CUDA
-    graph's capture) and compiled for CPU tensors, every chunk takes the keys.
+    chunk is a branch of the graph. Where nothing can be read or branched on (fake
+    tensors, a CUDA graph's capture, a graph compiled for CPU tensors) every chunk
+    takes the keys.
     """
 
     def distances(q, same):
@@ -128,13 +129,8 @@ def _search(chunks, p_ref: torch.Tensor, k: int) -> list:
 
     if p_ref.dtype == torch.float64 or k >= p_ref.shape[0] or not _readable(p_ref):
         return [_nearest(distances(q, same), k) for q, same in chunks]
-    if torch.compiler.is_compiling() and p_ref.device.type != "cpu":
-        return [_branch(distances(q, same), k) for q, same in chunks]
     if torch.compiler.is_compiling():
-        # On CPU tensors (a Triton operator's trace where there is no GPU) torch 2.13's
-        # Inductor fails on the branch once another graph compiled in the process, and
-        # under dynamic shapes: the keys, no branch.
-        return [_nearest(distances(q, same), k) for q, same in chunks]
+        return [_branch(distances(q, same), k) for q, same in chunks]
     tops = [_top(distances(q, same), k) for q, same in chunks]
     tied = torch.stack([tie for *_, tie in tops]).tolist()
     return [
@@ -159,9 +155,12 @@ def _branch(d: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _readable(t: torch.Tensor) -> bool:
     """Whether a value computed beside ``t`` can be read (or, compiling, branched on):
-    not under fake tensors, on the meta device or in a CUDA graph's capture."""
+    not under fake tensors, on the meta device or in a CUDA graph's capture, nor in a
+    graph compiled for CPU tensors (a Triton operator's trace where there is no GPU),
+    where torch 2.13's Inductor fails on the branch under dynamic shapes and once
+    another graph compiled in the process."""
     if torch.compiler.is_compiling():
-        return True
+        return t.device.type != "cpu"
     return not (is_fake(t) or t.device.type == "meta" or capturing())
 
 
