@@ -256,6 +256,73 @@ def test_runs_from_two_gpus_make_no_file(tmp_path):
     assert not list(data.glob("*.json"))
 
 
+def test_a_campaign_first_times_its_machine_variant_on_the_gpu_it_runs_on():
+    jobs = campaign.plan(repeats=3, machine="f3b9c79f")
+    first = jobs[0]
+    assert first.name == "machines:f3b9c79f"
+    assert first.produces == "parts/machines/f3b9c79f.json"
+    argv = first.argv
+    assert argv[argv.index("--variants") + 1] == campaign.MACHINE_VARIANT
+    assert argv[argv.index("--json") + 1] == first.produces
+    assert argv[argv.index("--repeats") + 1] == "3"
+    assert [j.name for j in jobs[1:]] == [j.name for j in campaign.plan(repeats=3)]
+    assert not [j for j in campaign.plan() if j.name.startswith("machines:")]
+
+
+def test_a_gpu_is_named_by_its_uuids_first_digits(monkeypatch):
+    uuids = ["GPU-f3b9c79f-42e6-3d92", "GPU-90ad5c10-f626-fe0d"]
+    monkeypatch.setattr(provenance, "_per_gpu", lambda field: uuids)
+    assert provenance.gpu_uuid("1") == "90ad5c10"
+    assert provenance.gpu_uuid("2") is None
+    assert provenance.gpu_uuid("") is None  # no GPU: no machine job
+
+
+def _write_machine(parts, gpu, forward_ms, variant="knn/fused"):
+    """A machine job's part: two runs of ``variant`` on the GPU with UUID ``gpu``."""
+    runs = [
+        {"variant": variant, "workload": "knn", "forward_ms": forward_ms + d}
+        | {"train_ms": 2.0, "peak_mb": 1.0, "hardware": "NVIDIA B200"}
+        for d in (0.0, 0.5)
+    ]
+    meta = {"hardware": "NVIDIA B200", "date": "2026-01-01T10:00"}
+    meta["versions"] = {"GPU UUID": f"{gpu}-0000", "host CPU": "X (8 cores)"}
+    (parts / f"{gpu}.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+
+
+def test_the_machine_runs_make_one_row_per_gpu(tmp_path):
+    parts = tmp_path / "parts" / "machines"
+    parts.mkdir(parents=True)
+    _write_machine(parts, "aaaaaaaa", 1.0)
+    _write_machine(parts, "bbbbbbbb", 3.0)
+    data = tmp_path / "data"
+    data.mkdir()
+    datafiles.write_files(tmp_path, data)
+    from extkernels import results
+
+    meta, t = results.load(data / "machines-b200.json")
+    assert list(t.index) == ["aaaaaaaa", "bbbbbbbb"]
+    assert list(t["forward_min"]) == [1.0, 3.0]
+    assert list(t["forward_max"]) == [1.5, 3.5]
+    assert set(t["timed"]) == {"knn/fused"}
+    assert meta["versions"]["GPU UUID"] == "aaaaaaaa-0000; bbbbbbbb-0000"
+
+
+def test_machine_runs_of_two_variants_or_twice_one_gpu_make_no_file(tmp_path):
+    parts = tmp_path / "parts" / "machines"
+    parts.mkdir(parents=True)
+    _write_machine(parts, "aaaaaaaa", 1.0)
+    _write_machine(parts, "bbbbbbbb", 1.0, variant="knn/cpp")
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(ValueError, match="one variant.*knn/cpp.*knn/fused"):
+        datafiles.write_files(tmp_path, data)
+    _write_machine(parts, "bbbbbbbb", 1.0)
+    (parts / "cccccccc.json").write_text((parts / "aaaaaaaa.json").read_text())
+    with pytest.raises(ValueError, match="one file per GPU"):
+        datafiles.write_files(tmp_path, data)
+    assert not list(data.glob("machines-*.json"))
+
+
 def test_the_longest_page_starts_first_and_the_others_keep_their_order():
     pages = [j.name for j in campaign.plan() if j.phase == 3]
     assert pages[0] == "chapter:15_shipping"
@@ -293,7 +360,7 @@ def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
         pytest.skip("no campaign in progress")
     status = json.loads((root / "status.json").read_text())
     assert {s["state"] for s in status.values()} <= {"ok"}
-    measuring = ("bench", "geometry", "distributed", "batched")
+    measuring = ("bench", "geometry", "distributed", "batched", "machines")
     parts = {
         f"{p.parent.name}:{p.stem.replace('__', '/')}": p
         for p in (root / "parts").rglob("*.json")
@@ -304,9 +371,13 @@ def test_the_books_campaign_keeps_a_part_for_each_measurement_that_ended_well():
     assert len(hosts) <= 1, f"the campaign's parts come from several hosts: {hosts}"
     names = {v.name for v in variants.VARIANTS}
     for name, path in parts.items():
-        if not name.startswith("bench:"):
+        if not name.startswith(("bench:", "machines:")):
             continue
         data = json.loads(path.read_text())
         assert data["meta"]["hardware"] == "NVIDIA H200", name
-        assert {r["variant"] for r in data["runs"]} == {name[6:]} <= names
+        kind, detail = name.split(":", 1)
+        if kind == "machines":  # the machine variant, on the GPU the job is named by
+            assert data["meta"]["versions"]["GPU UUID"].startswith(detail), name
+            detail = campaign.MACHINE_VARIANT
+        assert {r["variant"] for r in data["runs"]} == {detail} <= names
         assert len(data["runs"]) == data["meta"]["repeats"] == 5, name

@@ -30,7 +30,7 @@ from .problem import problem
 from .provenance import joined_meta, versions
 from .timing import timings_frame
 
-__all__ = ["run_all", "merge", "timed_rows", "write", "main"]
+__all__ = ["run_all", "merge", "merge_machines", "timed_rows", "write", "main"]
 
 
 # The compilers' on-disk caches: Inductor's, Triton's and Warp's kernels.
@@ -152,6 +152,36 @@ def merge(paths: list[str]) -> tuple[dict, pd.DataFrame]:
         metas.append(data["meta"])
         again = {r["variant"] for r in data["runs"]}
         runs = [r for r in runs if r["variant"] not in again] + data["runs"]
+    return joined_meta(metas, "paths"), frame(runs)
+
+
+def merge_machines(paths: list[str]) -> tuple[dict, pd.DataFrame]:
+    """Files of this command that time one variant, each on another GPU of one kind (a
+    campaign's ``machines:`` jobs), as one table with a row per GPU: its runs' medians
+    and spreads, indexed by the first eight digits of the GPU's UUID, with the variant
+    and the date it ran. One run card for all
+    (:func:`~extkernels.provenance.joined_meta`).
+
+    Raises:
+        ValueError: files that time other variants, or two files from one GPU.
+    """
+    metas, runs = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        meta = data["meta"]
+        gpu = meta.get("versions", {}).get("GPU UUID", "not recorded")[:8]
+        metas.append(meta)
+        runs += [
+            {**r, "variant": gpu, "timed": r["variant"], "date": meta["date"][:10]}
+            for r in data["runs"]
+        ]
+    timed = {r["timed"] for r in runs}
+    if len(timed) != 1:
+        raise ValueError(f"paths: expected runs of one variant, got {sorted(timed)}")
+    gpus = [m.get("versions", {}).get("GPU UUID") for m in metas]
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"paths: expected one file per GPU, got GPUs {gpus}")
     return joined_meta(metas, "paths"), frame(runs)
 
 

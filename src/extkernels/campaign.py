@@ -15,7 +15,9 @@ and runs alone. Phases are barriers: measurements, then the multi-GPU runs, then
 data files are written into ``book/data`` from what the measurements wrote, then the
 chapters execute against them, then nbval checks each page against what it now stores.
 Each variant is timed once: a file that shows a variant beside its own (chapter 14's
-clouds, chapter 15's shipping) gets the same runs as the main file.
+clouds, chapter 15's shipping) gets the same runs as the main file. A campaign resumed
+on another machine of the same kind first times one variant (:data:`MACHINE_VARIANT`)
+again, once per GPU (``machines:<UUID>``): what separates the machines' runs.
 
 Every job's output goes to ``--out`` (``logs/``, ``parts/``) and its state to
 ``status.json``; a job that ended well is not run again, so an interrupted campaign
@@ -39,8 +41,9 @@ import torch
 
 from . import clouds
 from . import variants as V
-from .datafiles import bench_part, part_slug, write_files
+from .datafiles import bench_part, machine_part, part_slug, write_files
 from .experiments import batched, geometry
+from .provenance import gpu_uuid
 
 __all__ = ["Job", "plan", "select", "run_jobs", "write_files", "main"]
 
@@ -55,6 +58,8 @@ DISTRIBUTED_SIZES = "100000,1000000,2000000,4000000,10000000,20000000,40000000"
 MULTI_GPU_CHAPTERS = ("13_distributed",)
 # The longest pages to execute start first, so that no lane ends the campaign alone.
 LONGEST_PAGES = ("15_shipping",)
+#: Timed again on each GPU a campaign runs on: eager, so the host's pace shows too.
+MACHINE_VARIANT = "knn/fused"
 
 
 @dataclass
@@ -86,8 +91,10 @@ def plan(
     repeats: int = 5,
     test_workers: int = 4,
     multi_gpu: bool = True,
+    machine: str | None = None,
 ) -> list[Job]:
-    """Every job of a campaign on this machine, in the order they start: the geometry
+    """Every job of a campaign on this machine, in the order they start: the
+    :data:`MACHINE_VARIANT` on ``machine`` (its GPU's UUID, when known), the geometry
     command per method, its checks and traits, ``pytest -m gpu`` (``test_workers``
     processes on one lane), the variants that can run here (those that build or
     compile first); then chapter 13's distributed runs and chapter 13
@@ -95,6 +102,11 @@ def plan(
     every page (``pytest``, which compares the cells tagged ``nbval-check-output``)
     against what it stores."""
     jobs: list[Job] = []
+    if machine:
+        part = machine_part(machine)
+        argv = _py("extkernels.benchmark", "--variants", MACHINE_VARIANT)
+        argv += ["--repeats", str(repeats), "--json", part]
+        jobs.append(Job(f"machines:{machine}", argv, 0, produces=part))
     chosen = [v for v in V.VARIANTS if v.available()]
     chosen.sort(key=lambda v: -(2 * v.jit + v.package + v.compile + v.graphs))
     for v in chosen:
@@ -151,7 +163,7 @@ def plan(
         jobs.append(
             Job(f"nbval:{nb.stem}", argv, 4 if multi else 5, -1 if multi else 1)
         )
-    first = ("geometry:", "tests:", "bench:", "batched:")  # the longest first
+    first = ("machines:", "geometry:", "tests:", "bench:", "batched:")
     return sorted(
         jobs,
         key=lambda j: (
@@ -340,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lanes = _lanes(args.gpus)
     multi = len(set(lanes)) >= 4  # GPUs, not lanes
-    jobs = plan(repeats=args.repeats, test_workers=args.test_workers, multi_gpu=multi)
+    jobs = plan(
+        repeats=args.repeats,
+        test_workers=args.test_workers,
+        multi_gpu=multi,
+        machine=gpu_uuid(lanes[0]),
+    )
     if args.only:
         jobs = select(jobs, args.only)
     if args.command == "plan":

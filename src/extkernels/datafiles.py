@@ -15,7 +15,15 @@ from .experiments import batched
 from .provenance import BOOK_HARDWARE, data_file
 from .searches import merge_into
 
-__all__ = ["BESIDE", "bench_part", "hardware_of", "kind_of", "part_slug", "write_files"]
+__all__ = [
+    "BESIDE",
+    "bench_part",
+    "hardware_of",
+    "kind_of",
+    "machine_part",
+    "part_slug",
+    "write_files",
+]
 
 # Variants that a file of another chapter shows beside its own (their runs are copied).
 BESIDE = {
@@ -32,6 +40,12 @@ def part_slug(name: str) -> str:
 def bench_part(name: str) -> str:
     """Where a variant's benchmark job writes, relative to ``--out``."""
     return f"parts/bench/{part_slug(name)}.json"
+
+
+def machine_part(machine: str) -> str:
+    """Where the campaign's run of its machine variant on GPU ``machine`` (a UUID's
+    first digits) writes, relative to ``--out``."""
+    return f"parts/machines/{machine}.json"
 
 
 def kind_of(variant) -> str:
@@ -64,10 +78,11 @@ def hardware_of(pieces: list[Path]) -> str:
 def write_files(out: Path, data: Path) -> list[str]:
     """The book's data files (in ``data``) from the campaign's parts: the benchmark's
     three files (each variant's runs in the file of its chapter, and copied where
-    :data:`BESIDE` shows it), the geometry file, chapter 16's batched file and the
-    distributed file, each named by the GPU the parts ran on (:func:`hardware_of`: one
-    GPU, or an error). A file is written only from parts that exist. Returns the
-    variants whose part is missing."""
+    :data:`BESIDE` shows it), the geometry file, chapter 16's batched file, the
+    distributed file and the machines file (one variant timed on each GPU the campaign
+    ran on: :func:`~extkernels.benchmark.merge_machines`), each named by the GPU the
+    parts ran on (:func:`hardware_of`: one GPU, or an error). A file is written only
+    from parts that exist. Returns the variants whose part is missing."""
     parts = out / "parts"
     found = {
         v.name: out / bench_part(v.name)
@@ -78,7 +93,8 @@ def write_files(out: Path, data: Path) -> list[str]:
     files: dict[str, list[Path]] = {}
     geometry_pieces = sorted((parts / "geometry").glob("*.json"))
     batched_pieces = sorted((parts / "batched").glob("*.json"))
-    measured = [*found.values(), *geometry_pieces, *batched_pieces]
+    machine_pieces = sorted((parts / "machines").glob("*.json"))
+    measured = [*found.values(), *geometry_pieces, *batched_pieces, *machine_pieces]
     hardware = hardware_of(measured) if measured else BOOK_HARDWARE
     for v in V.VARIANTS:
         if v.name in found:
@@ -95,6 +111,9 @@ def write_files(out: Path, data: Path) -> list[str]:
         target.unlink(missing_ok=True)
         for piece in pieces:
             merge_into(str(target), json.loads(piece.read_text()))
+    if machine_pieces:
+        meta, df = benchmark.merge_machines([str(p) for p in machine_pieces])
+        benchmark.write(str(data / data_file("machines", hardware)), df, meta)
     if batched_pieces:
         merged = batched.merge([json.loads(p.read_text()) for p in batched_pieces])
         (data / data_file("batched", hardware)).write_text(json.dumps(merged, indent=1))

@@ -14,7 +14,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-__all__ = ["BOOK_HARDWARE", "data_file", "hardware_slug", "joined_meta", "versions"]
+__all__ = [
+    "BOOK_HARDWARE",
+    "data_file",
+    "gpu_uuid",
+    "hardware_slug",
+    "joined_meta",
+    "versions",
+]
 
 #: The GPU behind the book's stored data files (the ``hardware`` of their run cards).
 BOOK_HARDWARE = "NVIDIA H200"
@@ -75,6 +82,16 @@ def _per_gpu(field: str) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def gpu_uuid(index: str) -> str | None:
+    """The first eight hex digits of the UUID of the host's GPU ``index`` (as
+    ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` number them), as run cards shorten it;
+    ``None`` where there is no such GPU."""
+    uuids = _per_gpu("uuid")
+    if not index.isdigit() or int(index) >= len(uuids):
+        return None
+    return uuids[int(index)].removeprefix("GPU-")[:8]
 
 
 def _driver() -> str:
