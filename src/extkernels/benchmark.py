@@ -27,7 +27,7 @@ import pandas as pd
 from . import fresh
 from . import variants as V
 from .problem import problem
-from .provenance import joined_meta, versions
+from .provenance import joined_meta, short_uuid, versions
 from .timing import timings_frame
 
 __all__ = ["run_all", "merge", "merge_machines", "timed_rows", "write", "main"]
@@ -165,21 +165,20 @@ def merge_machines(paths: list[str]) -> tuple[dict, pd.DataFrame]:
     Raises:
         ValueError: files that time other variants, or two files from one GPU.
     """
-    metas, runs = [], []
+    metas, runs, gpus = [], [], []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         meta = data["meta"]
-        gpu = meta.get("versions", {}).get("GPU UUID", "not recorded")[:8]
+        gpus.append(short_uuid(meta["versions"]["GPU UUID"]))
         metas.append(meta)
         runs += [
-            {**r, "variant": gpu, "timed": r["variant"], "date": meta["date"][:10]}
+            {**r, "variant": gpus[-1], "timed": r["variant"], "date": meta["date"][:10]}
             for r in data["runs"]
         ]
     timed = {r["timed"] for r in runs}
     if len(timed) != 1:
         raise ValueError(f"paths: expected runs of one variant, got {sorted(timed)}")
-    gpus = [m.get("versions", {}).get("GPU UUID") for m in metas]
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"paths: expected one file per GPU, got GPUs {gpus}")
     return joined_meta(metas, "paths"), frame(runs)

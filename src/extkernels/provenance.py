@@ -20,6 +20,7 @@ __all__ = [
     "gpu_uuid",
     "hardware_slug",
     "joined_meta",
+    "short_uuid",
     "versions",
 ]
 
@@ -84,14 +85,19 @@ def _per_gpu(field: str) -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+def short_uuid(uuid: str) -> str:
+    """A GPU's UUID (``nvidia-smi``'s ``GPU-…`` or torch's) as its first eight hex
+    digits: how run cards, campaign jobs and tables name one GPU."""
+    return uuid.removeprefix("GPU-")[:8]
+
+
 def gpu_uuid(index: str) -> str | None:
-    """The first eight hex digits of the UUID of the host's GPU ``index`` (as
-    ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` number them), as run cards shorten it;
-    ``None`` where there is no such GPU."""
+    """The :func:`short_uuid` of the host's GPU ``index`` (as ``nvidia-smi`` and
+    ``CUDA_VISIBLE_DEVICES`` number them); ``None`` where there is no such GPU."""
     uuids = _per_gpu("uuid")
     if not index.isdigit() or int(index) >= len(uuids):
         return None
-    return uuids[int(index)].removeprefix("GPU-")[:8]
+    return short_uuid(uuids[int(index)])
 
 
 def _driver() -> str:

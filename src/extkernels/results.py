@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import clouds
-from .provenance import data_file
+from .provenance import data_file, short_uuid
 from .reference import anchor_figures, not_like_for_like
 from .timing import summary
 
@@ -125,7 +125,7 @@ def gpus(uuids: str) -> str:
     (``not recorded`` for runs that predate the record)."""
     ids = uuids.split("; ")
     n = sum(u != "not recorded" for u in ids)
-    short = [u if u == "not recorded" else f"{u[:8]}…" for u in ids]
+    short = [u if u == "not recorded" else f"{short_uuid(u)}…" for u in ids]
     return f"{n} GPU{'' if n == 1 else 's'}: {', '.join(short)}"
 
 
