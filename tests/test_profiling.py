@@ -1,5 +1,9 @@
 """extkernels.profiling: top_kernels, stacked, graphs_and_breaks, break_reasons."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -100,3 +104,19 @@ def test_break_reasons_names_an_explicit_break_and_none_without_one():
     # wrapped, not cut: every word of the first two lines is still there
     assert reasons[0].split() == whole[0].split()
     assert len(reasons[0].splitlines()) > len(whole[0].splitlines())
+
+
+def test_a_profile_prints_nothing_of_its_own():
+    """Kineto's USDT lines around a profile would show in every page that profiles."""
+    code = (
+        "import torch\n"
+        "from extkernels import profiling\n"
+        "x = torch.randn(64, 64)\n"
+        "profiling.profile(lambda: x @ x, device=torch.device('cpu'), n_iters=1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "USDT" not in run.stdout + run.stderr, run.stdout + run.stderr

@@ -8,6 +8,7 @@ the CPU: CPU time), with their share of the total, call count and memory.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Callable
 
@@ -15,6 +16,10 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
+
+# Kineto (torch 2.13) prints "USDT: ... profiler_start / profiler_stop" around every
+# profile at a level above its errors; a reader who sets KINETO_LOG_LEVEL keeps theirs.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 __all__ = [
     "profile",
