@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from extkernels.experiments import batched
+from extkernels.fresh import FreshProcessError
 from extkernels.problem import problem
 
 
@@ -74,3 +75,11 @@ def test_the_table_takes_medians_over_runs_and_leaves_out_failures():
     table = batched.table(rows)
     assert list(table.index) == [("batch", "a")]
     assert table.loc[("batch", "a")].tolist() == [2.0, 1.0, 3.0, 3]
+
+
+def test_a_run_that_hangs_ends_at_its_timeout_and_says_where():
+    """A fresh process past its timeout raises, with its stacks, in place of hanging
+    the campaign's job."""
+    with pytest.raises(FreshProcessError, match="timed out") as e:
+        batched.bench(("single",), repeats=1, timeout=4.0)
+    assert "Timeout" in e.value.stderr

@@ -69,6 +69,13 @@ def test_a_child_past_its_timeout_raises(child):
     assert e.value.returncode is None
 
 
+def test_a_child_past_its_timeout_says_where_it_waited(child):
+    with pytest.raises(fresh.FreshProcessError, match="timed out") as e:
+        fresh.call(child, "sleep", 30, timeout=3)
+    assert "Timeout" in e.value.stderr  # faulthandler's stacks, before the kill
+    assert "child.py" in e.value.stderr and "in sleep" in e.value.stderr
+
+
 def test_a_missing_function_raises(child):
     with pytest.raises(fresh.FreshProcessError, match="AttributeError"):
         fresh.call(child, "no_such_function")

@@ -8,7 +8,9 @@ measure.
 ``module`` that ends in ``.py`` is loaded from that file, so that the child imports
 nothing else of this package. Any failure (an exception in the child, a crash, a
 timeout) raises :class:`FreshProcessError`, which carries the end of the child's
-standard error and its return code.
+standard error and its return code; a child that runs past its timeout first writes
+where each of its threads stands (:mod:`faulthandler`), so that the error says where it
+waited.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ __all__ = ["FreshProcessError", "call"]
 TAIL = 4000
 
 _CHILD = """
-import importlib, importlib.util, json, sys
+import faulthandler, importlib, importlib.util, json, os, sys
 
 module, name, given, out = sys.argv[1:]
+if os.environ.get("EXTKERNELS_FRESH_TRACEBACK_AFTER"):
+    faulthandler.dump_traceback_later(float(os.environ["EXTKERNELS_FRESH_TRACEBACK_AFTER"]))
 if module.endswith(".py"):
     spec = importlib.util.spec_from_file_location("fresh_target", module)
     target = importlib.util.module_from_spec(spec)
@@ -67,6 +71,15 @@ def _text(out: str | bytes | None) -> str:
     return (out or "")[-TAIL:]
 
 
+def _text_from(out: str | bytes | None, marker: str) -> str:
+    """At most :data:`TAIL` characters of ``out`` from its last ``marker`` on (the end
+    where there is none)."""
+    if isinstance(out, bytes):
+        out = out.decode(errors="replace")
+    at = (out or "").rfind(marker)
+    return _text(out) if at < 0 else out[at : at + TAIL]
+
+
 def call(
     module: str,
     name: str,
@@ -94,6 +107,9 @@ def call(
     """
     target = f"{module}.{name}" if not module.endswith(".py") else f"{module}:{name}"
     child_env = {**os.environ, **(env or {})}
+    if timeout is not None:  # the stacks of a child that hangs, before it is killed
+        before = timeout - min(10.0, 0.25 * timeout)
+        child_env["EXTKERNELS_FRESH_TRACEBACK_AFTER"] = str(before)
     with tempfile.TemporaryDirectory(prefix="extkernels-fresh-") as tmp:
         given, out = Path(tmp) / "args.json", Path(tmp) / "result.json"
         given.write_text(json.dumps({"args": list(args), "kwargs": kwargs}))
@@ -103,7 +119,8 @@ def call(
                 cmd, capture_output=True, text=True, env=child_env, timeout=timeout
             )
         except subprocess.TimeoutExpired as e:
-            raise FreshProcessError(target, None, _text(e.stderr)) from None
+            stacks = _text_from(e.stderr, "Timeout (")  # innermost frames first
+            raise FreshProcessError(target, None, stacks) from None
         if done.returncode != 0 or not out.exists():
             raise FreshProcessError(target, done.returncode, _text(done.stderr))
         return json.loads(out.read_text())

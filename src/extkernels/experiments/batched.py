@@ -56,6 +56,8 @@ __all__ = [
 
 #: The cases, in the order the chapter shows them.
 CASES = ("batch", "single", "crossover", "radius")
+#: Seconds one fresh process may take to time one case: about 70 at most on one H200.
+RUN_TIMEOUT = 180.0
 
 
 def sizes(small: bool) -> dict:
@@ -264,14 +266,17 @@ def time_case(case: str, n_blocks: int = 5, budget_ms: float = 200) -> list[dict
     return rows
 
 
-def bench(cases=CASES, *, repeats: int = 5) -> list[dict]:
-    """Every case ``repeats`` times, each run in a fresh process; the runs' rows, each
-    with its ``run`` number."""
+def bench(cases=CASES, *, repeats: int = 5, timeout: float = RUN_TIMEOUT) -> list[dict]:
+    """Every case ``repeats`` times, each run in a fresh process of at most ``timeout``
+    seconds (one that hangs raises, with where it waited); the runs' rows, each with
+    its ``run`` number."""
     rows = []
     for r in range(repeats):
         for case in cases:
             print(f"run {r + 1}/{repeats} {case}", flush=True)
-            got = fresh.call("extkernels.experiments.batched", "time_case", case)
+            got = fresh.call(
+                "extkernels.experiments.batched", "time_case", case, timeout=timeout
+            )
             rows += [{**row, "run": r} for row in got]
     return rows
 
