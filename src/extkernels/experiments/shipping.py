@@ -18,12 +18,12 @@ chapter-15 variants share, live in :mod:`extkernels.packaging` and are named her
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -150,6 +150,8 @@ def outcome(ran: dict) -> str:
 #: ``cuml`` and ``ptx``, whose gather is defined in Python, teach it again), and a
 #: ``triton_op`` needs nothing, as PyTorch's own operators (``torch``) need nothing.
 SMALL_BACKENDS = ("triton", "cpp", "warp")
+#: The fresh processes :func:`package_table` runs at once.
+FRESH_AT_ONCE = 4
 
 
 def package_table(
@@ -165,36 +167,36 @@ def package_table(
     or, for a ``small`` problem (the CPU run), only those of :data:`SMALL_BACKENDS`
     that run here, one backend per lesson: a C++ operator needs its library, one
     defined in Python needs that Python, a ``triton_op`` needs nothing. The runs are
-    not timed: the table shows outcomes only."""
+    not timed (the table shows outcomes only), so :data:`FRESH_AT_ONCE` of them run
+    side by side once every projector is packaged."""
     if backends is None:
         backends = [b for b in _here() if not prob.small or b in SMALL_BACKENDS]
     every = shipped()
     unknown = sorted(set(backends) - set(every))
     if unknown:
         raise ValueError(f"backends: expected some of {list(every)}, got {unknown}")
-    rows = []
+    runs = []  # (backend, what was loaded, the fresh run's arguments)
     for backend in backends:
         _, libs, module = every[backend]
         model, inputs = projector(backend, prob)
         with torch.no_grad():
             expected = model(*inputs)
-        fresh = functools.partial(
-            run_fresh,
-            package(model, inputs, folder / f"{backend}.pt2"),
-            inputs,
-            expected,
-            seconds=None,
-        )
+        pt2 = package(model, inputs, folder / f"{backend}.pt2")
+        given = {"pt2": pt2, "inputs": inputs, "expected": expected, "seconds": None}
         loaded = [registry.get(n).library() for n in libs]
-        runs = {"nothing": fresh()}
+        runs.append((backend, "nothing", given))
         if libs:
-            runs["its libraries"] = fresh(libraries=loaded)
+            runs.append((backend, "its libraries", {**given, "libraries": loaded}))
         if module:
-            runs["and its Python"] = fresh(libraries=loaded, imports=[module])
-        rows += [
-            {"backend": backend, "loaded": name, "outcome": outcome(ran)}
-            for name, ran in runs.items()
-        ]
+            both = {**given, "libraries": loaded, "imports": [module]}
+            runs.append((backend, "and its Python", both))
+    # untimed, so the fresh processes may run side by side
+    with ThreadPoolExecutor(max_workers=FRESH_AT_ONCE) as pool:
+        ran = list(pool.map(lambda run: run_fresh(**run[2]), runs))
+    rows = [
+        {"backend": backend, "loaded": name, "outcome": outcome(r)}
+        for (backend, name, _), r in zip(runs, ran, strict=True)
+    ]
     return pd.DataFrame(rows).set_index(["backend", "loaded"])
 
 
