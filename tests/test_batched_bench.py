@@ -82,4 +82,11 @@ def test_a_run_that_hangs_ends_at_its_timeout_and_says_where():
     the campaign's job."""
     with pytest.raises(FreshProcessError, match="timed out") as e:
         batched.bench(("single",), repeats=1, timeout=4.0)
-    assert "Timeout" in e.value.stderr
+    assert "Timeout (" in e.value.stderr  # every thread's stack, before the kill
+
+
+def test_a_case_names_each_method_before_it_times_it(capsys):
+    """What a run that hangs wrote last names the method it hung in."""
+    rows = batched.time_case("single", n_blocks=1, budget_ms=1)
+    started = capsys.readouterr().err.splitlines()
+    assert started == [f"single: {row['method']}" for row in rows]

@@ -23,6 +23,7 @@ CHILD = textwrap.dedent(
         os._exit(code)
 
     def sleep(seconds):
+        print("about to sleep", file=sys.stderr, flush=True)
         time.sleep(seconds)
     """
 )
@@ -74,6 +75,7 @@ def test_a_child_past_its_timeout_says_where_it_waited(child):
         fresh.call(child, "sleep", 30, timeout=3)
     assert "Timeout" in e.value.stderr  # faulthandler's stacks, before the kill
     assert "child.py" in e.value.stderr and "in sleep" in e.value.stderr
+    assert e.value.stderr.startswith("about to sleep\nTimeout (")
 
 
 def test_a_missing_function_raises(child):

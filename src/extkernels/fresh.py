@@ -72,12 +72,16 @@ def _text(out: str | bytes | None) -> str:
 
 
 def _text_from(out: str | bytes | None, marker: str) -> str:
-    """At most :data:`TAIL` characters of ``out`` from its last ``marker`` on (the end
-    where there is none)."""
+    """At most :data:`TAIL` characters of ``out``: the line before its last ``marker``
+    (what the child wrote last before it) and what follows; the end of ``out`` where
+    there is no ``marker``."""
     if isinstance(out, bytes):
         out = out.decode(errors="replace")
     at = (out or "").rfind(marker)
-    return _text(out) if at < 0 else out[at : at + TAIL]
+    if at < 0:
+        return _text(out)
+    last = out[:at].rstrip("\n").rpartition("\n")[2]
+    return f"{last}\n{out[at:]}"[:TAIL] if last else out[at : at + TAIL]
 
 
 def call(
@@ -119,7 +123,8 @@ def call(
                 cmd, capture_output=True, text=True, env=child_env, timeout=timeout
             )
         except subprocess.TimeoutExpired as e:
-            stacks = _text_from(e.stderr, "Timeout (")  # innermost frames first
+            # the child's last line before its stacks, then the stacks (innermost first)
+            stacks = _text_from(e.stderr, "Timeout (")
             raise FreshProcessError(target, None, stacks) from None
         if done.returncode != 0 or not out.exists():
             raise FreshProcessError(target, done.returncode, _text(done.stderr))

@@ -30,6 +30,7 @@ import argparse
 import datetime
 import functools
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -241,6 +242,7 @@ def time_case(case: str, n_blocks: int = 5, budget_ms: float = 200) -> list[dict
     device = problem().device
     rows = []
     for name, build in methods(case, device).items():
+        print(f"{case}: {name}", file=sys.stderr, flush=True)  # where a hang stopped
         try:
             fn = build()
             with torch.no_grad():
