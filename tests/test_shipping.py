@@ -141,7 +141,8 @@ def test_just_in_time_leaves_the_wheel_unused_and_empties_the_cache_when_cold(
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(shipping.tempfile, "gettempdir", lambda: str(tmp_path))
-    monkeypatch.delenv("EXTKERNELS_PREBUILT", raising=False)
+    # set, so that the test's end restores it: just_in_time changes os.environ itself
+    monkeypatch.setenv("EXTKERNELS_PREBUILT", "1")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
     cache = tmp_path / "extkernels-jit"
     (cache / "old").mkdir(parents=True)
