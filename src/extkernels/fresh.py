@@ -30,11 +30,11 @@ __all__ = ["FreshProcessError", "call"]
 TAIL = 4000
 
 _CHILD = """
-import faulthandler, importlib, importlib.util, json, os, sys
+import faulthandler, importlib, importlib.util, json, sys
 
-module, name, given, out = sys.argv[1:]
-if os.environ.get("EXTKERNELS_FRESH_TRACEBACK_AFTER"):
-    faulthandler.dump_traceback_later(float(os.environ["EXTKERNELS_FRESH_TRACEBACK_AFTER"]))
+module, name, given, out, stacks_after = sys.argv[1:]
+if stacks_after:  # every thread's stack, shortly before the parent's timeout kills it
+    faulthandler.dump_traceback_later(float(stacks_after))
 if module.endswith(".py"):
     spec = importlib.util.spec_from_file_location("fresh_target", module)
     target = importlib.util.module_from_spec(spec)
@@ -65,23 +65,18 @@ class FreshProcessError(RuntimeError):
         super().__init__(f"{target} failed in a fresh process ({how}):\n{stderr}")
 
 
-def _text(out: str | bytes | None) -> str:
+def _text(out: str | bytes | None, marker: str | None = None) -> str:
+    """At most :data:`TAIL` characters of ``out``: from the line before its last
+    ``marker`` (what the child wrote last before it) where there is one, else its
+    end."""
     if isinstance(out, bytes):
         out = out.decode(errors="replace")
-    return (out or "")[-TAIL:]
-
-
-def _text_from(out: str | bytes | None, marker: str) -> str:
-    """At most :data:`TAIL` characters of ``out``: the line before its last ``marker``
-    (what the child wrote last before it) and what follows; the end of ``out`` where
-    there is no ``marker``."""
-    if isinstance(out, bytes):
-        out = out.decode(errors="replace")
-    at = (out or "").rfind(marker)
+    out = out or ""
+    at = out.rfind(marker) if marker else -1
     if at < 0:
-        return _text(out)
-    last = out[:at].rstrip("\n").rpartition("\n")[2]
-    return f"{last}\n{out[at:]}"[:TAIL] if last else out[at : at + TAIL]
+        return out[-TAIL:]
+    start = out.rfind("\n", 0, max(at - 1, 0)) + 1
+    return out[start : start + TAIL]
 
 
 def call(
@@ -111,20 +106,19 @@ def call(
     """
     target = f"{module}.{name}" if not module.endswith(".py") else f"{module}:{name}"
     child_env = {**os.environ, **(env or {})}
-    if timeout is not None:  # the stacks of a child that hangs, before it is killed
-        before = timeout - min(10.0, 0.25 * timeout)
-        child_env["EXTKERNELS_FRESH_TRACEBACK_AFTER"] = str(before)
+    stacks_after = "" if timeout is None else str(timeout - min(10.0, timeout / 4))
     with tempfile.TemporaryDirectory(prefix="extkernels-fresh-") as tmp:
         given, out = Path(tmp) / "args.json", Path(tmp) / "result.json"
         given.write_text(json.dumps({"args": list(args), "kwargs": kwargs}))
         cmd = [sys.executable, "-c", _CHILD, module, name, str(given), str(out)]
+        cmd.append(stacks_after)
         try:
             done = subprocess.run(
                 cmd, capture_output=True, text=True, env=child_env, timeout=timeout
             )
         except subprocess.TimeoutExpired as e:
             # the child's last line before its stacks, then the stacks (innermost first)
-            stacks = _text_from(e.stderr, "Timeout (")
+            stacks = _text(e.stderr, marker="Timeout (")
             raise FreshProcessError(target, None, stacks) from None
         if done.returncode != 0 or not out.exists():
             raise FreshProcessError(target, done.returncode, _text(done.stderr))
