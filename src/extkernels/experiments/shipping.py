@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -45,6 +46,7 @@ __all__ = [
     "projector",
     "export_table",
     "package_table",
+    "package_fresh",
     "outcome",
     "graph_table",
     "package",
@@ -150,7 +152,7 @@ def outcome(ran: dict) -> str:
 #: ``cuml`` and ``ptx``, whose gather is defined in Python, teach it again), and a
 #: ``triton_op`` needs nothing, as PyTorch's own operators (``torch``) need nothing.
 SMALL_BACKENDS = ("triton", "cpp", "warp")
-#: The fresh processes :func:`package_table` runs at once.
+#: The backends :func:`package_table` packages and runs at once.
 FRESH_AT_ONCE = 4
 
 
@@ -166,38 +168,64 @@ def package_table(
     ``backends``: those to package, in order; by default every backend that runs here
     or, for a ``small`` problem (the CPU run), only those of :data:`SMALL_BACKENDS`
     that run here, one backend per lesson: a C++ operator needs its library, one
-    defined in Python needs that Python, a ``triton_op`` needs nothing. The runs are
-    not timed (the table shows outcomes only), so :data:`FRESH_AT_ONCE` of them run
-    side by side once every projector is packaged."""
+    defined in Python needs that Python, a ``triton_op`` needs nothing. Nothing is
+    timed (the table shows outcomes only), so :data:`FRESH_AT_ONCE` backends are
+    packaged side by side, each in a fresh process (:func:`package_fresh`), and then
+    run."""
     if backends is None:
         backends = [b for b in _here() if not prob.small or b in SMALL_BACKENDS]
     every = shipped()
     unknown = sorted(set(backends) - set(every))
     if unknown:
         raise ValueError(f"backends: expected some of {list(every)}, got {unknown}")
-    runs = []  # (backend, what was loaded, the fresh run's arguments)
-    for backend in backends:
+    # built here, once, before the fresh processes load them
+    libraries = {
+        b: [str(registry.get(n).library()) for n in every[b][1]] for b in backends
+    }
+    sizes = {**asdict(prob), "device": str(prob.device)}
+
+    def runs(backend: str) -> list[dict]:
         _, libs, module = every[backend]
-        model, inputs = projector(backend, prob)
-        with torch.no_grad():
-            expected = model(*inputs)
-        pt2 = package(model, inputs, folder / f"{backend}.pt2")
-        given = {"pt2": pt2, "inputs": inputs, "expected": expected, "seconds": None}
-        loaded = [registry.get(n).library() for n in libs]
-        runs.append((backend, "nothing", given))
+        pt2, data = fresh.call(
+            "extkernels.experiments.shipping",
+            "package_fresh",
+            backend,
+            sizes,
+            str(folder),
+        )
+        loads = [("nothing", {})]
         if libs:
-            runs.append((backend, "its libraries", {**given, "libraries": loaded}))
+            loads.append(("its libraries", {"libraries": libraries[backend]}))
         if module:
-            both = {**given, "libraries": loaded, "imports": [module]}
-            runs.append((backend, "and its Python", both))
-    # untimed, so the fresh processes may run side by side
+            both = {"libraries": libraries[backend], "imports": [module]}
+            loads.append(("and its Python", both))
+        return [
+            {
+                "backend": backend,
+                "loaded": name,
+                "outcome": outcome(fresh.call(_CHILD, "run", pt2, data, **given)),
+            }
+            for name, given in loads
+        ]
+
     with ThreadPoolExecutor(max_workers=FRESH_AT_ONCE) as pool:
-        ran = list(pool.map(lambda run: run_fresh(**run[2]), runs))
-    rows = [
-        {"backend": backend, "loaded": name, "outcome": outcome(r)}
-        for (backend, name, _), r in zip(runs, ran, strict=True)
-    ]
+        rows = [row for ran in pool.map(runs, backends) for row in ran]
     return pd.DataFrame(rows).set_index(["backend", "loaded"])
+
+
+def package_fresh(backend: str, sizes: dict, folder: str) -> tuple[str, str]:
+    """What a fresh process of :func:`package_table` does: ``backend``'s projector at
+    the problem ``sizes`` (a :class:`~extkernels.problem.Problem`'s fields) packaged
+    into ``folder``, with its inputs and output saved beside it for :func:`run_fresh`'s
+    child: the paths of the package and of those tensors."""
+    prob = Problem(**{**sizes, "device": torch.device(sizes["device"])})
+    model, inputs = projector(backend, prob)
+    with torch.no_grad():
+        expected = model(*inputs)
+    pt2 = package(model, inputs, Path(folder) / f"{backend}.pt2")
+    data = Path(folder) / f"{backend}.pt"
+    torch.save({"inputs": inputs, "expected": expected}, data)
+    return str(pt2), str(data)
 
 
 #: The file a fresh process of :func:`run_fresh` loads: it imports PyTorch only.
