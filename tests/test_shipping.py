@@ -98,8 +98,8 @@ def test_a_package_runs_from_cpp_with_the_libraries_it_calls(fused_package):
 
 
 def test_every_backend_packages_and_runs_where_its_operators_exist(tmp_path):
-    # the backends asserted on: one per lesson, and torch besides
-    backends = ["torch", "triton", "cpp", "warp"]
+    # one backend per lesson: the page's CPU run packages the same three
+    backends = ["triton", "cpp", "warp"]
     table = shipping.package_table(extkernels.problem(), tmp_path, backends)["outcome"]
     # a C++ operator needs its library, nothing else
     assert "Could not find schema for extkernels_cpp::" in table["cpp", "nothing"]
@@ -107,10 +107,10 @@ def test_every_backend_packages_and_runs_where_its_operators_exist(tmp_path):
     # a Python operator needs its Python, and says so
     assert "without Python" in table["warp", "nothing"]
     assert table["warp", "and its Python"].startswith("runs")
-    # PyTorch's own operators and a triton_op need nothing
-    assert table["torch", "nothing"].startswith("runs")
+    # a triton_op needs nothing, as PyTorch's own operators need nothing
     assert table["triton", "nothing"].startswith("runs")
-    assert ("torch", "its libraries") not in table.index  # it has none
+    assert ("triton", "its libraries") not in table.index  # it has none
+    assert list(table.index.unique("backend")) == backends  # in the order asked
 
 
 def test_the_export_table_names_each_backends_operator():
