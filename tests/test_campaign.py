@@ -307,6 +307,22 @@ def test_the_machine_runs_make_one_row_per_gpu(tmp_path):
     assert meta["versions"]["GPU UUID"] == "aaaaaaaa-0000; bbbbbbbb-0000"
 
 
+def test_the_results_page_shows_each_gpus_runs_without_the_cold_first_call(tmp_path):
+    parts = tmp_path / "parts" / "machines"
+    parts.mkdir(parents=True)
+    _write_machine(parts, "aaaaaaaa", 1.0)
+    _write_machine(parts, "bbbbbbbb", 3.0)
+    datafiles.write_files(tmp_path, tmp_path)
+    from extkernels import results
+
+    _, t = results.load(tmp_path / "machines-b200.json")
+    shown = results.machines_table(t)
+    assert list(shown.columns) == ["date", "forward ms", "training ms"]
+    assert shown.index.name == "GPU (knn/fused)"
+    assert shown.at["bbbbbbbb", "forward ms"] == "3.250 (3.000–3.500)"
+    assert shown.at["aaaaaaaa", "date"] == "2026-01-01"
+
+
 def test_machine_runs_of_two_variants_or_twice_one_gpu_make_no_file(tmp_path):
     parts = tmp_path / "parts" / "machines"
     parts.mkdir(parents=True)

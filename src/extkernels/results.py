@@ -28,6 +28,7 @@ __all__ = [
     "source",
     "run_card",
     "gpus",
+    "machines_table",
     "runs_per_variant",
     "book_table",
     "floors_table",
@@ -127,6 +128,17 @@ def gpus(uuids: str) -> str:
     n = sum(u != "not recorded" for u in ids)
     short = [u if u == "not recorded" else f"{short_uuid(u)}…" for u in ids]
     return f"{n} GPU{'' if n == 1 else 's'}: {', '.join(short)}"
+
+
+def machines_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The machines file (:func:`~extkernels.benchmark.merge_machines`: one variant
+    timed again on each GPU a campaign ran on) as the results page shows it: a row per
+    GPU, the first digits of its UUID, with the day it ran and the forward and training
+    milliseconds (median and range of its runs). Not its first call, which on each
+    machine paid for building the extensions from cold."""
+    out = summary(df)[["forward ms", "training ms"]]
+    out.insert(0, "date", df["date"])
+    return out.rename_axis(f"GPU ({', '.join(sorted(set(df['timed'])))})")
 
 
 def measured(meta: dict) -> str:
