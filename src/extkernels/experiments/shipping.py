@@ -186,13 +186,7 @@ def package_table(
 
     def runs(backend: str) -> list[dict]:
         _, libs, module = every[backend]
-        pt2, data = fresh.call(
-            "extkernels.experiments.shipping",
-            "package_fresh",
-            backend,
-            sizes,
-            str(folder),
-        )
+        pt2, data = fresh.call(__name__, "package_fresh", backend, sizes, str(folder))
         loads = [("nothing", {})]
         if libs:
             loads.append(("its libraries", {"libraries": libraries[backend]}))
@@ -203,7 +197,7 @@ def package_table(
             {
                 "backend": backend,
                 "loaded": name,
-                "outcome": outcome(fresh.call(_CHILD, "run", pt2, data, **given)),
+                "outcome": outcome(_run_saved(pt2, data, **given)),
             }
             for name, given in loads
         ]
@@ -223,8 +217,7 @@ def package_fresh(backend: str, sizes: dict, folder: str) -> tuple[str, str]:
     with torch.no_grad():
         expected = model(*inputs)
     pt2 = package(model, inputs, Path(folder) / f"{backend}.pt2")
-    data = Path(folder) / f"{backend}.pt"
-    torch.save({"inputs": inputs, "expected": expected}, data)
+    data = _save(Path(folder) / f"{backend}.pt", inputs, expected)
     return str(pt2), str(data)
 
 
@@ -256,17 +249,29 @@ def run_fresh(
             package (a library that does not load, a module that does not import).
     """
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data.pt"
-        torch.save({"inputs": inputs, "expected": expected}, data)
-        return fresh.call(
-            _CHILD,
-            "run",
-            str(pt2),
-            str(data),
-            libraries=[str(p) for p in libraries],
-            imports=list(imports),
-            seconds=seconds,
+        data = _save(Path(tmp) / "data.pt", inputs, expected)
+        return _run_saved(
+            pt2, data, libraries=libraries, imports=imports, seconds=seconds
         )
+
+
+def _save(path: Path, inputs: tuple, expected: torch.Tensor) -> Path:
+    """The inputs and expected output a child of :func:`_run_saved` reads."""
+    torch.save({"inputs": inputs, "expected": expected}, path)
+    return path
+
+
+def _run_saved(pt2, data, *, libraries=(), imports=(), seconds=None) -> dict:
+    """:func:`run_fresh` on inputs already saved in ``data`` (:func:`_save`)."""
+    return fresh.call(
+        _CHILD,
+        "run",
+        str(pt2),
+        str(data),
+        libraries=[str(p) for p in libraries],
+        imports=list(imports),
+        seconds=seconds,
+    )
 
 
 def cpp_runner(verbose: bool = False) -> Path:
