@@ -77,11 +77,47 @@ def test_the_table_takes_medians_over_runs_and_leaves_out_failures():
     assert table.loc[("batch", "a")].tolist() == [2.0, 1.0, 3.0, 3]
 
 
-def test_a_run_that_hangs_ends_at_its_timeout_and_says_where():
-    """A fresh process past its timeout raises, with its stacks, in place of hanging
-    the campaign's job."""
+#: A stand-in for the module's time_case, loaded alone in the fresh processes: methods
+#: a, b and c, of which HANG sleeps (None: before it names any method).
+FAKE = """
+import time
+from pathlib import Path
+
+def time_case(case, skip=(), started=None):
+    if HANG is None:
+        time.sleep(60)
+    rows = []
+    for name in [m for m in ("a", "b", "c") if m not in skip]:
+        Path(started).write_text(name)
+        if name == HANG:
+            time.sleep(60)
+        rows.append({"case": case, "method": name, "ms": 1.0})
+    return rows
+"""
+
+
+def _fake(tmp_path, hang) -> str:
+    path = tmp_path / "fake_batched.py"
+    path.write_text(f"HANG = {hang!r}\n{FAKE}")
+    return str(path)
+
+
+def test_a_method_that_hangs_is_left_out_and_the_others_are_timed(tmp_path):
+    """A method past the timeout is recorded as not timed in every run, and waited
+    for once: the case's other methods run again in a fresh process."""
+    rows = batched.bench(("x",), repeats=2, timeout=3.0, module=_fake(tmp_path, "b"))
+    timed = {(r["run"], r["method"]) for r in rows if "ms" in r}
+    assert timed == {(run, m) for run in (0, 1) for m in ("a", "c")}
+    failed = [r for r in rows if "error" in r]
+    assert [(r["run"], r["method"]) for r in failed] == [(0, "b"), (1, "b")]
+    assert failed[0]["error"] == "ran past 3 s in a fresh process"
+
+
+def test_a_run_that_hangs_before_a_method_raises_and_says_where(tmp_path):
+    """A fresh process past its timeout that named no method raises, with its stacks,
+    in place of hanging the campaign's job."""
     with pytest.raises(FreshProcessError, match="timed out") as e:
-        batched.bench(("single",), repeats=1, timeout=4.0)
+        batched.bench(("x",), repeats=1, timeout=3.0, module=_fake(tmp_path, None))
     assert "Timeout (" in e.value.stderr  # every thread's stack, before the kill
 
 

@@ -21,6 +21,9 @@ processes, beside the alternatives a reader has:
 Each (run, case) is one fresh process that times each of the case's methods in turn
 (the median of 5 blocks of calls, value checks off after a first checked call, as in
 every chapter); the table gives each method's median over the runs with their spread.
+A method that keeps its process past :data:`RUN_TIMEOUT` is recorded as not timed, in
+that run and the later ones, and the case's other methods run again in a fresh
+process; the command's log keeps where it waited.
 On a machine without a GPU the sizes shrink (:func:`sizes`).
 """
 
@@ -31,6 +34,8 @@ import datetime
 import functools
 import json
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -235,14 +240,26 @@ def methods(case: str, device) -> dict:
     return out
 
 
-def time_case(case: str, n_blocks: int = 5, budget_ms: float = 200) -> list[dict]:
-    """Milliseconds per call of each of ``case``'s methods, in this process: the median
-    of ``n_blocks`` blocks, each about ``budget_ms`` long, after a first checked call.
-    A method that raises is recorded with its error, not timed."""
+def time_case(
+    case: str,
+    n_blocks: int = 5,
+    budget_ms: float = 200,
+    skip: Sequence[str] = (),
+    started: str | None = None,
+) -> list[dict]:
+    """Milliseconds per call of each of ``case``'s methods but those in ``skip``, in
+    this process: the median of ``n_blocks`` blocks, each about ``budget_ms`` long,
+    after a first checked call. A method that raises is recorded with its error, not
+    timed. Each method's name goes to standard error, and into the file ``started``
+    where given, before it runs: where a run that hangs stopped."""
     device = problem().device
     rows = []
     for name, build in methods(case, device).items():
-        print(f"{case}: {name}", file=sys.stderr, flush=True)  # where a hang stopped
+        if name in skip:
+            continue
+        print(f"{case}: {name}", file=sys.stderr, flush=True)
+        if started:
+            Path(started).write_text(name)
         try:
             fn = build()
             with torch.no_grad():
@@ -268,18 +285,58 @@ def time_case(case: str, n_blocks: int = 5, budget_ms: float = 200) -> list[dict
     return rows
 
 
-def bench(cases=CASES, *, repeats: int = 5, timeout: float = RUN_TIMEOUT) -> list[dict]:
+def _timed(
+    case: str, skipped: dict[str, str], timeout: float, module: str = __name__
+) -> list[dict]:
+    """The rows of one fresh process's ``module.time_case(case)``, the methods in
+    ``skipped`` left out. A method that keeps the process past ``timeout`` seconds
+    joins ``skipped``, with why, and the others run again in another fresh process; a
+    process that fails otherwise, or before it names a method, raises
+    :class:`~extkernels.fresh.FreshProcessError`."""
+    why = f"ran past {timeout:.0f} s in a fresh process"
+    with tempfile.TemporaryDirectory(prefix="extkernels-batched-") as tmp:
+        started = Path(tmp) / "method"
+        while True:  # ends: each pass leaves out one more method, or returns or raises
+            started.unlink(missing_ok=True)
+            try:
+                return fresh.call(
+                    module,
+                    "time_case",
+                    case,
+                    skip=sorted(skipped),
+                    started=str(started),
+                    timeout=timeout,
+                )
+            except fresh.FreshProcessError as e:
+                if e.returncode is not None or not started.exists():
+                    raise
+                print(e, file=sys.stderr, flush=True)  # where it waited, in the log
+                skipped[started.read_text()] = why
+
+
+def bench(
+    cases=CASES,
+    *,
+    repeats: int = 5,
+    timeout: float = RUN_TIMEOUT,
+    module: str = __name__,
+) -> list[dict]:
     """Every case ``repeats`` times, each run in a fresh process of at most ``timeout``
-    seconds (one that hangs raises, with where it waited); the runs' rows, each with
-    its ``run`` number."""
+    seconds (``module``'s :func:`time_case`); the runs' rows, each with its ``run``
+    number. A method that hangs is left out from then on, a row with its error in
+    each run; a process that fails before it names a method raises, with where it
+    waited."""
     rows = []
+    skipped: dict[str, dict[str, str]] = {case: {} for case in cases}
     for r in range(repeats):
         for case in cases:
             print(f"run {r + 1}/{repeats} {case}", flush=True)
-            got = fresh.call(
-                "extkernels.experiments.batched", "time_case", case, timeout=timeout
-            )
+            got = _timed(case, skipped[case], timeout, module)
             rows += [{**row, "run": r} for row in got]
+            rows += [
+                {"case": case, "method": m, "error": why, "run": r}
+                for m, why in skipped[case].items()
+            ]
     return rows
 
 
