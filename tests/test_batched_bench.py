@@ -121,6 +121,18 @@ def test_a_run_that_hangs_before_a_method_raises_and_says_where(tmp_path):
     assert "Timeout (" in e.value.stderr  # every thread's stack, before the kill
 
 
+def test_the_command_times_each_method_in_a_fresh_process(tmp_path):
+    out = tmp_path / "batched.json"
+    argv = ["bench", "--cases", "single", "--repeats", "1", "--out", str(out)]
+    assert batched.main(argv) == 0
+    meta, table = batched.load(out)
+    assert {m for _, m in table.index} == set(
+        batched.methods("single", problem().device)
+    )
+    assert (table["runs"] == 1).all() and (table["ms"] > 0).all()
+    assert meta["repeats"] == 1
+
+
 def test_a_case_names_each_method_before_it_times_it(capsys):
     """What a run that hangs wrote last names the method it hung in."""
     rows = batched.time_case("single", n_blocks=1, budget_ms=1)

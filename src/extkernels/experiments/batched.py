@@ -62,6 +62,8 @@ __all__ = [
 
 #: The cases, in the order the chapter shows them.
 CASES = ("batch", "single", "crossover", "radius")
+#: This module as fresh processes import it (``-m`` makes ``__name__`` ``__main__``).
+MODULE = "extkernels.experiments.batched"
 #: Seconds one fresh process may take to time one case: about 70 at most on one H200.
 RUN_TIMEOUT = 180.0
 
@@ -260,24 +262,16 @@ def time_case(
         print(f"{case}: {name}", file=sys.stderr, flush=True)
         if started:
             Path(started).write_text(name)
+        row = {"case": case, "method": name}
         try:
             fn = build()
             with torch.no_grad():
                 ms, lo, hi, n_iters = time_within_budget(fn, budget_ms, 200, n_blocks)
         except Exception as e:  # noqa: BLE001  (named in the table, not timed)
-            rows.append(
-                {"case": case, "method": name, "error": f"{type(e).__name__}: {e}"}
-            )
+            rows.append({**row, "error": f"{type(e).__name__}: {e}"})
             continue
         rows.append(
-            {
-                "case": case,
-                "method": name,
-                "ms": ms,
-                "block_min": lo,
-                "block_max": hi,
-                "iters": n_iters,
-            }
+            {**row, "ms": ms, "block_min": lo, "block_max": hi, "iters": n_iters}
         )
         del fn
         if device.type == "cuda":
@@ -286,7 +280,7 @@ def time_case(
 
 
 def _timed(
-    case: str, skipped: dict[str, str], timeout: float, module: str = __name__
+    case: str, skipped: dict[str, str], timeout: float, module: str = MODULE
 ) -> list[dict]:
     """The rows of one fresh process's ``module.time_case(case)``, the methods in
     ``skipped`` left out. A method that keeps the process past ``timeout`` seconds
@@ -319,7 +313,7 @@ def bench(
     *,
     repeats: int = 5,
     timeout: float = RUN_TIMEOUT,
-    module: str = __name__,
+    module: str = MODULE,
 ) -> list[dict]:
     """Every case ``repeats`` times, each run in a fresh process of at most ``timeout``
     seconds (``module``'s :func:`time_case`); the runs' rows, each with its ``run``
@@ -375,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="batched.json")
     args = ap.parse_args(argv)
+    for backend in registry.registered():  # built here, not in a timed process
+        if backend.library is not None and backend.runs_here():
+            backend.library()
     rows = bench(args.cases.split(","), repeats=args.repeats)
     with pd.option_context(
         "display.width", 200, "display.float_format", "{:.3f}".format
