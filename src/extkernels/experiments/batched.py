@@ -370,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="batched.json")
     args = ap.parse_args(argv)
     for backend in registry.registered():  # built here, not in a timed process
-        if backend.library is not None and backend.runs_here():
-            backend.library()
+        if backend.runs_here():
+            backend.prepare()
     rows = bench(args.cases.split(","), repeats=args.repeats)
     with pd.option_context(
         "display.width", 200, "display.float_format", "{:.3f}".format
