@@ -10,6 +10,7 @@ Ranges are a variant's fastest to slowest run (``*_min`` .. ``*_max``), medians 
 ``*_ms``; ``forward`` is the forward pass, ``train`` the training step, and a search
 of chapter 16's file (its rows ``"case: method"``) is read as a forward pass."""
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from extkernels.experiments import batched
 
 BENCHMARK = ROOT / "book" / "data" / "benchmark-h200.json"
 BATCHED = ROOT / "book" / "data" / "batched-h200.json"
+MACHINES = ROOT / "book" / "data" / "machines-h200.json"
 BOTH = ("forward", "train")
 #: A search of chapter 16's file, one call timed like a forward pass.
 SEARCH = "forward"
@@ -203,6 +205,89 @@ BATCHED_CLAIMS = [
 ]
 
 
+def apart_machines(t: pd.DataFrame, *metrics: str) -> list[tuple[str, str]]:
+    """The pairs of GPUs (rows of the machines file) whose runs do not overlap in every
+    one of ``metrics``."""
+    pairs = itertools.combinations(t.index, 2)
+    return [(a, b) for a, b in pairs if not overlap(t, a, b, *metrics)]
+
+
+MACHINE_CLAIMS = [
+    Claim(
+        "results",
+        "Every GPU's runs overlap every other's, forward and in training",
+        lambda t: len(t) > 1 and not apart_machines(t, *BOTH),
+    ),
+]
+
+
+def stored_output(page: str, code: str) -> str:
+    """The stored plain-text output of ``page``'s code cell whose source holds
+    ``code`` (its first output of more than one line: a table)."""
+    nb = nbformat.read(ROOT / "book" / f"{page}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and code in cell.source:
+            for out in cell.outputs:
+                text = out.get("data", {}).get("text/plain", "")
+                if "\n" in text:
+                    return text
+    raise AssertionError(f"{page}: no stored table from a cell with {code!r}")
+
+
+def step_times() -> pd.DataFrame:
+    """Chapter 16's timings of the classifier, stored on the page (its
+    ``pointnet.time_steps`` table), as rows ``"backend neighbours mode"`` (``"fused csr
+    compiled"``) with a forward pass's and a training step's median, fastest and
+    slowest milliseconds, in the columns :func:`extkernels.timing.compare` reads."""
+    lines = stored_output("16_your_model", "pointnet.time_steps(").splitlines()
+    cuts = [lines[1].index(w) for w in ("neighbours", "mode", "pass")]
+    spans = list(zip([0, *cuts], [*cuts, None], strict=True))
+    labels, rows = [""] * 4, {}
+    for line in lines[2:]:
+        head, *numbers = line.rsplit(None, 3)
+        labels = [
+            head[a:b].strip() or old for (a, b), old in zip(spans, labels, strict=True)
+        ]
+        metric = "forward" if labels[3] == "forward" else "train"
+        row = rows.setdefault(" ".join(labels[:3]), {})
+        for column, number in zip(("ms", "min", "max"), numbers, strict=True):
+            row[f"{metric}_{column}"] = float(number)
+    return pd.DataFrame(rows).T
+
+
+def precisions() -> pd.DataFrame:
+    """Chapter 15's autocast table, stored on the page, as rows of dtypes with a
+    forward pass's median, fastest and slowest block in milliseconds."""
+    lines = stored_output("15_shipping", "time_blocks(").splitlines()
+    rows = {}
+    for line in lines[1:]:
+        name, ms, fastest, slowest, *_ = line.split()
+        rows[name] = {"forward_ms": ms, "forward_min": fastest, "forward_max": slowest}
+    return pd.DataFrame(rows).T.astype(float)
+
+
+#: Tables a page measures and stores itself, by page.
+PAGE_TABLES = {"15_shipping": precisions, "16_your_model": step_times}
+
+PAGE_CLAIMS = [
+    Claim(
+        "15_shipping",
+        "Every float32 block is shorter than every bfloat16 and float16 block",
+        lambda t: all(below(t, "float32", low, "forward") for low in t.index[1:]),
+    ),
+    Claim(
+        "16_your_model",
+        "Compiling shortens the torch CSR step",
+        lambda t: below(t, "torch csr compiled", "torch csr eager", "train"),
+    ),
+    Claim(
+        "16_your_model",
+        "the fused CSR step's eager and compiled runs overlap",
+        lambda t: overlap(t, "fused csr compiled", "fused csr eager", "train"),
+    ),
+]
+
+
 def searches() -> pd.DataFrame:
     """Chapter 16's file (:func:`extkernels.experiments.batched.load`) as rows ``"case:
     method"``, a call's median, fastest and slowest milliseconds in the columns that
@@ -244,6 +329,51 @@ def test_a_sentence_reads_what_the_batched_runs_show(claim):
     )
 
 
+@pytest.mark.parametrize(
+    "claim", MACHINE_CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}"
+)
+def test_a_sentence_reads_what_the_machine_runs_show(claim):
+    assert claim.words in page_text(claim.page), (
+        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
+    )
+    _, table = results.load(MACHINES)
+    assert claim.holds(table), (
+        f"{claim.page}: {claim.words!r} no longer reads what {MACHINES.name}'s runs "
+        f"show: apart {apart_machines(table, *BOTH)}"
+    )
+
+
+@pytest.mark.parametrize(
+    "claim", PAGE_CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}"
+)
+def test_a_sentence_reads_what_its_pages_table_shows(claim):
+    assert claim.words in page_text(claim.page), (
+        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
+    )
+    assert claim.holds(PAGE_TABLES[claim.page]()), (
+        f"{claim.page}: {claim.words!r} no longer reads what the page's stored table "
+        "shows"
+    )
+
+
+@pytest.mark.parametrize("page", PAGE_TABLES)
+def test_a_pages_stored_table_is_read_whole(page):
+    t = PAGE_TABLES[page]()
+    expected = {
+        "15_shipping": {"float32", "bfloat16", "float16"},
+        "16_your_model": {
+            f"{b} {n} {m}"
+            for b in ("torch", "fused")
+            for n in ("csr", "padded")
+            for m in ("eager", "compiled")
+        },
+    }[page]
+    assert set(t.index) == expected
+    for metric in {c.split("_")[0] for c in t.columns}:
+        ms, lo, hi = (t[f"{metric}_{c}"] for c in ("ms", "min", "max"))
+        assert ((lo <= ms) & (ms <= hi)).all(), f"{page}: {metric} out of order"
+
+
 def test_the_checks_see_a_sentence_the_runs_contradict():
     t = pd.DataFrame(
         {
@@ -256,5 +386,7 @@ def test_the_checks_see_a_sentence_the_runs_contradict():
     assert below(t, "a", "b", "train") and not overlap(t, "a", "b", "train")
     assert longer(t, "b", "a", "train") and not longer(t, "a", "b", "train")
     assert not within(t, "a", "b", 0.01, "train")
+    assert apart_machines(t, "train") == [("a", "b")]
     t.loc["b", "train_min"] = 1.0
     assert overlap(t, "a", "b", "train") and not below(t, "a", "b", "train")
+    assert apart_machines(t, "train") == []

@@ -18,7 +18,7 @@ PAGES = sorted((ROOT / "book").glob("*.ipynb"))
 FILES = sorted(DATA.glob("*.json"))
 
 #: Data files that still gather runs of several hosts.
-MIXED_FILES = {"benchmark-h200.json", "benchmark-shipping-h200.json"}
+MIXED_FILES = {"benchmark-h200.json"}
 #: Pages that still read runs of another host than their own.
 CROSS_HOST_PAGES = {
     "01_eager_baseline",
@@ -33,7 +33,6 @@ CROSS_HOST_PAGES = {
     "10_ptx_gather",
     "11_whole_step",
     "12_scaling",
-    "14_real_clouds",
     "15_shipping",
     "results",
 }
