@@ -305,54 +305,30 @@ def page_text(page: str) -> str:
     )
 
 
-@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}")
-def test_a_sentence_reads_what_the_benchmark_runs_show(claim):
+def _cases() -> list:
+    """Every claim with the table its sentence reads and that table's name."""
+    sources = [
+        (CLAIMS, lambda c: results.load(BENCHMARK)[1], BENCHMARK.name),
+        (BATCHED_CLAIMS, lambda c: searches(), BATCHED.name),
+        (MACHINE_CLAIMS, lambda c: results.load(MACHINES)[1], MACHINES.name),
+        (PAGE_CLAIMS, lambda c: PAGE_TABLES[c.page](), "the page's stored table"),
+    ]
+    return [
+        pytest.param(c, table, name, id=f"{c.page}: {c.words[:40]}")
+        for claims, table, name in sources
+        for c in claims
+    ]
+
+
+@pytest.mark.parametrize(("claim", "table", "source"), _cases())
+def test_a_sentence_reads_what_its_runs_show(claim, table, source):
     assert claim.words in page_text(claim.page), (
         f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
     )
-    _, table = results.load(BENCHMARK)
-    assert claim.holds(table), (
-        f"{claim.page}: {claim.words!r} no longer reads what "
-        f"{BENCHMARK.name}'s runs show"
-    )
-
-
-@pytest.mark.parametrize(
-    "claim", BATCHED_CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}"
-)
-def test_a_sentence_reads_what_the_batched_runs_show(claim):
-    assert claim.words in page_text(claim.page), (
-        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
-    )
-    assert claim.holds(searches()), (
-        f"{claim.page}: {claim.words!r} no longer reads what {BATCHED.name}'s runs show"
-    )
-
-
-@pytest.mark.parametrize(
-    "claim", MACHINE_CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}"
-)
-def test_a_sentence_reads_what_the_machine_runs_show(claim):
-    assert claim.words in page_text(claim.page), (
-        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
-    )
-    _, table = results.load(MACHINES)
-    assert claim.holds(table), (
-        f"{claim.page}: {claim.words!r} no longer reads what {MACHINES.name}'s runs "
-        f"show: apart {apart_machines(table, *BOTH)}"
-    )
-
-
-@pytest.mark.parametrize(
-    "claim", PAGE_CLAIMS, ids=lambda c: f"{c.page}: {c.words[:40]}"
-)
-def test_a_sentence_reads_what_its_pages_table_shows(claim):
-    assert claim.words in page_text(claim.page), (
-        f"{claim.page}: the sentence with {claim.words!r} is gone; rewrite its check"
-    )
-    assert claim.holds(PAGE_TABLES[claim.page]()), (
-        f"{claim.page}: {claim.words!r} no longer reads what the page's stored table "
-        "shows"
+    t = table(claim)
+    apart = f"; apart: {apart_machines(t, *BOTH)}" if claim in MACHINE_CLAIMS else ""
+    assert claim.holds(t), (
+        f"{claim.page}: {claim.words!r} no longer reads what {source} shows{apart}"
     )
 
 
