@@ -343,7 +343,7 @@ def test_a_pages_stored_table_is_read_whole(page):
     }[page]
     assert set(t.index) == expected
     for metric in {c.split("_")[0] for c in t.columns}:
-        ms, lo, hi = (t[f"{metric}_{c}"] for c in ("ms", "min", "max"))
+        ms, lo, hi = (t[f"{metric}_{c}"] for c in TIMES)
         assert ((lo <= ms) & (ms <= hi)).all(), f"{page}: {metric} out of order"
 
 
