@@ -622,3 +622,23 @@ def test_compiles_when_the_compiler_pads_the_matmul_that_feeds_it(op, backend, d
             results.append((value.detach(), torch.autograd.grad(value, lift.weight)[0]))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op, backend, device", per_op(["knn", "knn_aggregate"]))
+def test_a_compiled_caller_may_change_k(op, backend, device):
+    # The second k makes it a SymInt in the traced graph: the checks take it, the
+    # compiled results match eager for each k, and a k beyond the cloud is refused.
+    torch._dynamo.reset()
+    p_query, p_ref, feats = _example("knn_aggregate", device)[:3]
+    inputs = {"p_query": p_query, "p_ref": p_ref, "feats": feats.detach()}
+
+    def search(k):
+        args = _args(op, inputs, k=k, sigma=SIGMA)
+        out = getattr(extkernels, op)(*args, backend=backend)
+        return out[0] if op == "knn" else out
+
+    compiled = torch.compile(search, fullgraph=True)
+    for k in (K, K + 2, K + 5):
+        torch.testing.assert_close(compiled(k), search(k), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"k: expected 1 <= k"):
+        compiled(N_REF + 1)

@@ -174,6 +174,20 @@ def test_chunks_change_nothing():
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("search", ["knn", "radius_search"])
+def test_the_torch_searches_name_a_bad_chunk_size(search):
+    p_query, p_ref = _clouds("random")
+    call = functools.partial(
+        getattr(ek, search), p_query, p_ref, 3 if search == "knn" else RADIUS
+    )
+    with pytest.raises(ValueError, match="^chunk_size: expected a positive number"):
+        call(chunk_size=0)
+    # The radius search's operator schema refuses a float by the argument's name too.
+    error = TypeError if search == "knn" else RuntimeError
+    with pytest.raises(error, match="int.*chunk_size|chunk_size.*int"):
+        call(chunk_size=2.5)
+
+
 # ----------------------------------------------------------- padded and batched
 
 
@@ -412,6 +426,28 @@ def test_compiles_with_fullgraph_and_matches_eager(dynamic, device, backend):
         results.append((value.detach(), *torch.autograd.grad(value, (q, r))))
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_caller_may_change_max_neighbours(device, backend):
+    # The second value makes it a SymInt in the traced graph: the check takes it, each
+    # value's lists match eager, and a value below one is refused by name.
+    torch._dynamo.reset()
+    p_query, p_ref = _clouds("duplicates", device)
+
+    def search(max_neighbours):
+        return ek.radius_search(
+            p_query, p_ref, RADIUS, max_neighbours=max_neighbours, backend=backend
+        )
+
+    compiled = torch.compile(search, fullgraph=True)
+    for max_neighbours in (3, 4, 6):
+        got, want = compiled(max_neighbours), search(max_neighbours)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(Exception, match=r"max_neighbours: expected an int >= 1"):
+        compiled(0)
 
 
 class _Neighbours(torch.nn.Module):

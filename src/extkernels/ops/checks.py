@@ -20,7 +20,13 @@ while tracing, a graph break. They therefore run in eager mode only, once per ca
 clouds in one synchronisation, by whoever is called first. An entry point checks, then
 calls its backend through :func:`call_checked`, so that the backend's operator does not
 check again; an operator called directly checks itself; a compiled caller gets the check
-from the operator's real implementation, which runs eagerly inside the compiled graph.
+from the operator's real implementation, which runs eagerly inside the compiled graph
+(the custom operators of the ``cpp``, ``fused``, ``ptx``, ``warp`` and ``cuml``
+backends, and the ``torch`` backend's radius search). Code the compiler traces through
+gets no value check when compiled: the ``torch`` backend's brute force and the
+``triton`` backend's ``triton_op``, whose bodies Inductor sees. There a non-finite
+point gives non-finite distances and arbitrary indices in its rows, as in
+``torch.cdist``; check the values before the compiled call where they can be bad.
 
 :func:`value_checks` switches the value checks off for a block of code (``with
 value_checks(False): ...``), on the calling thread only: another thread's calls keep
@@ -210,12 +216,14 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 
 
 def check_k(k: object, n_ref: int) -> int:
-    """The number of neighbours: an integer in ``[1, n_ref]``."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+    """The number of neighbours: an integer in ``[1, n_ref]``. Traced with a ``k`` that
+    changed between calls (or ``dynamic=True``), ``k`` is a ``SymInt``: the comparisons
+    guard the compiled graph and the symbol is returned as it is."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral | torch.SymInt):
         raise TypeError(f"k: expected an int, got {type(k).__name__}")
     if not 1 <= k <= n_ref:
         raise ValueError(f"k: expected 1 <= k <= {n_ref} (the size of p_ref), got {k}")
-    return int(k)
+    return k if isinstance(k, torch.SymInt) else int(k)
 
 
 def check_positive(name: str, value: object) -> float:

@@ -47,11 +47,12 @@ def check_points(name: str, points: object, dtypes=DTYPES) -> torch.Tensor:
 
 
 def check_max_neighbours(max_neighbours: object) -> int | None:
-    """``None`` (every neighbour) or an int >= 1."""
+    """``None`` (every neighbour) or an int >= 1 (a ``SymInt`` while traced, returned
+    as it is, like ``k`` in :func:`~extkernels.ops.checks.check_k`)."""
     if max_neighbours is None:
         return None
     if isinstance(max_neighbours, bool) or not isinstance(
-        max_neighbours, numbers.Integral
+        max_neighbours, numbers.Integral | torch.SymInt
     ):
         raise TypeError(
             f"max_neighbours: expected an int or None, got "
@@ -59,6 +60,8 @@ def check_max_neighbours(max_neighbours: object) -> int | None:
         )
     if max_neighbours < 1:
         raise ValueError(f"max_neighbours: expected an int >= 1, got {max_neighbours}")
+    if isinstance(max_neighbours, torch.SymInt):
+        return max_neighbours
     return int(max_neighbours)
 
 

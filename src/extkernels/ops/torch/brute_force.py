@@ -22,6 +22,8 @@ are mostly masked ones.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -36,15 +38,26 @@ __all__ = ["BATCH_CHUNK", "knn", "radius_aggregate"]
 BATCH_CHUNK = 1 << 22
 
 
-def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor, ...]:
-    if chunk_size is None:
-        return (p_query,)
+def check_chunk_size(chunk_size: object) -> int:
+    """``chunk_size`` of the brute-force searches: a positive number of queries."""
+    if isinstance(chunk_size, bool) or not isinstance(
+        chunk_size, numbers.Integral | torch.SymInt
+    ):
+        raise TypeError(
+            f"chunk_size: expected an int or None, got {type(chunk_size).__name__}"
+        )
     if chunk_size < 1:
         raise ValueError(
             "chunk_size: expected a positive number of queries or None, got "
             f"{chunk_size}"
         )
-    return p_query.split(chunk_size)
+    return chunk_size
+
+
+def _chunks(p_query: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor, ...]:
+    if chunk_size is None:
+        return (p_query,)
+    return p_query.split(check_chunk_size(chunk_size))
 
 
 def _batch_chunk(p_ref: torch.Tensor, chunk_size: int | None, offsets) -> int | None:

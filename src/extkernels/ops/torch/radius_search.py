@@ -27,7 +27,7 @@ import torch
 
 from ..neighbour_lists import check_radius_search, fake_csr, fake_padded
 from ..positions import register_radius_search_autograd
-from .brute_force import _distances, _nearest
+from .brute_force import _distances, _nearest, check_chunk_size
 
 __all__ = ["radius_search", "CHUNK_PAIRS"]
 
@@ -39,12 +39,7 @@ CHUNK_PAIRS = 2**22
 def _chunk(m: int, n: int, chunk_size: int | None) -> int:
     if chunk_size is None:
         return max(1, CHUNK_PAIRS // max(n, 1))
-    if chunk_size < 1:
-        raise ValueError(
-            f"chunk_size: expected a positive number of queries or None, got "
-            f"{chunk_size}"
-        )
-    return chunk_size
+    return check_chunk_size(chunk_size)
 
 
 def _cloud_of(offsets: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
