@@ -752,6 +752,16 @@ def test_saved_handover_gives_the_reference_gradient_and_keeps_no_grid(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_saved_handover_refuses_position_grads_and_names_the_pool(device):
+    p_query, p_ref, feats = problem(device)
+    q = p_query.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=r"^p_query requires grad; .*handover='pool'"):
+        extkernels.radius_aggregate(
+            q, p_ref, feats, RADIUS, SIGMA, backend="warp", handover="saved"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_saved_forward_returns_the_normalisers_the_pool_would_keep(device):
     p_query, p_ref, feats = problem(device)
     _, norms = torch.ops.warp.radius_aggregate_saved(

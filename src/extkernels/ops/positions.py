@@ -267,20 +267,24 @@ def refuse_position_grads(
     backend: str,
     needs: tuple[bool, bool],
     others: Iterable[str] = (),
+    instead: str = "",
 ) -> None:
     """Raise when ``needs`` (whether ``p_query`` and ``p_ref`` require grad) holds a
     True: backend ``backend`` has no gradient of ``op`` with respect to positions;
     ``others`` are the backends that have one. The entry points call it at forward time
     (:func:`~extkernels.ops.registry.check_position_grads`), and so does the
     ``setup_context`` of an operator without that gradient, with
-    ``ctx.needs_input_grad[:2]``."""
+    ``ctx.needs_input_grad[:2]``. ``instead``: another way of the same backend that
+    has the gradient, named before the other backends."""
     named = [n for n, need in zip(("p_query", "p_ref"), needs, strict=True) if need]
     if not named:
         return
     which = " and ".join(named)
     verb = "require" if len(named) > 1 else "requires"
     alternatives = " or ".join(f"'{b}'" for b in others)
-    use = f"use backend {alternatives} or detach it" if alternatives else "detach it"
+    ways = [instead] if instead else []
+    ways += [f"use backend {alternatives}"] if alternatives else []
+    use = " or ".join([*ways, "detach it"])
     raise ValueError(
         f"{which} {verb} grad; backend '{backend}' has no gradient of {op} with "
         f"respect to positions: {use}"

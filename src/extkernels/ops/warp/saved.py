@@ -110,7 +110,12 @@ def _backward_saved_fake(grad_out, p_query, p_ref, feats, norms, radius, sigma):
 def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     """What ``warp::radius_aggregate_saved`` keeps for its backward (chapter 6)."""
     p_query, p_ref, feats, radius, sigma = inputs
-    refuse_position_grads("radius_aggregate", "warp", ctx.needs_input_grad[:2])
+    refuse_position_grads(
+        "radius_aggregate",
+        "warp",
+        ctx.needs_input_grad[:2],
+        instead="use handover='pool' (the default)",
+    )
     _, norms = output
     # The plain way: the normalisers are an output, kept by autograd with the inputs.
     ctx.save_for_backward(p_query, p_ref, feats, norms)
