@@ -8,6 +8,7 @@ backend compiled with ``fullgraph=True``, and the gradients with respect to posi
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.testing
 from scipy.spatial import cKDTree
 from test_backends import _on, cases, per_op
 from test_position_grads import NAMED, lowest_index_first
@@ -250,10 +251,50 @@ def test_bad_offsets_are_refused_by_name(op, backend, device):
             _call(op, p_query, p_ref, feats, qo, ro, backend, k=k)
 
 
+@pytest.mark.parametrize("op, backend, device", per_op(OPS))
+def test_offsets_on_another_device_are_refused_before_their_values_are_read(
+    op, backend, device
+):
+    # Meta offsets hold no values to read: the device check comes first.
+    p_query, p_ref, feats, qo, ro = _on(device, *batch(BATCHES[4])[:5])
+    for name, offsets in (
+        ("query_offsets", (qo.to("meta"), ro)),
+        ("ref_offsets", (qo, ro.to("meta"))),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}: expected a tensor on"):
+            _call(op, p_query, p_ref, feats, *offsets, backend, k=3)
+
+
 # ---------------------------------------------------------------- the compiler
 
 
 TORCH = [p for p in cases("knn") if p.values[0] == "torch"]
+
+
+def test_the_torch_batch_compiles_once_per_number_of_slices_or_once_for_all(
+    monkeypatch,
+):
+    # Compiled, the slices are unrolled (the module's docstring): a graph per number of
+    # slices by default, one graph for every size with a chunk_size of at least M.
+    monkeypatch.setattr(brute_force, "BATCH_CHUNK", 1000)
+    sizes = [(20, 30), (40, 30), (60, 30), (60, 45), (25, 45)]
+    for chunk_size, graphs in ((None, 4), (10**6, 1)):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounter()
+
+        def search(q, r, qo, ro, chunk_size=chunk_size):
+            return _call("knn", q, r, None, qo, ro, "torch", chunk_size=chunk_size)
+
+        compiled = torch.compile(search, backend=counter, fullgraph=True, dynamic=True)
+        for m, n in sizes:
+            p_query, p_ref, _, qo, ro = batch([("random", m, n), ("random", m, n)])
+            for got, want in zip(
+                compiled(p_query, p_ref, qo, ro),
+                search(p_query, p_ref, qo, ro),
+                strict=True,
+            ):
+                torch.testing.assert_close(got, want)
+        assert counter.frame_count == graphs
 
 
 @pytest.mark.parametrize("backend, device", TORCH)

@@ -113,11 +113,17 @@ def pad_packed(
 
 
 def check_offsets(
-    name: str, offsets: object, n_points: int, *, values: bool = True
+    name: str,
+    offsets: object,
+    n_points: int,
+    *,
+    values: bool = True,
+    device: torch.device | None = None,
 ) -> int:
-    """That ``offsets`` are the offsets of clouds packed into ``n_points`` points;
-    returns the number of clouds. The values are checked where ``values`` is true and
-    the tensor is real (not while tracing)."""
+    """That ``offsets`` are the offsets of clouds packed into ``n_points`` points (on
+    ``device``, p_query's, where given); returns the number of clouds. The values are
+    checked where ``values`` is true and the tensor is real (not while tracing), after
+    the metadata."""
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(
             f"{name}: expected a torch.Tensor, got {type(offsets).__name__}"
@@ -128,6 +134,10 @@ def check_offsets(
         raise ValueError(
             f"{name}: expected shape (B + 1,) with B >= 0 clouds, got "
             f"{tuple(offsets.shape)}"
+        )
+    if device is not None and offsets.device != device:
+        raise ValueError(
+            f"{name}: expected a tensor on {device} like p_query, got {offsets.device}"
         )
     if values and not is_fake(offsets) and not torch.compiler.is_compiling():
         first, last = int(offsets[0]), int(offsets[-1])
@@ -150,11 +160,13 @@ def check_batch(
     n_ref: int,
     *,
     values: bool = True,
+    device: torch.device | None = None,
 ) -> int:
     """Both offsets checked (:func:`check_offsets`), with as many clouds of queries as
     of references (the queries of cloud ``b`` search cloud ``b``); returns ``B``."""
-    b_query = check_offsets("query_offsets", query_offsets, n_query, values=values)
-    b_ref = check_offsets("ref_offsets", ref_offsets, n_ref, values=values)
+    kw = {"values": values, "device": device}
+    b_query = check_offsets("query_offsets", query_offsets, n_query, **kw)
+    b_ref = check_offsets("ref_offsets", ref_offsets, n_ref, **kw)
     if b_query != b_ref:
         raise ValueError(
             f"query_offsets, ref_offsets: expected as many clouds of queries as of "
@@ -201,14 +213,13 @@ def check_call(
             f"{missing}: expected both query_offsets and ref_offsets, or neither"
         )
     check_batch(
-        query_offsets, ref_offsets, p_query.shape[0], p_ref.shape[0], values=values
+        query_offsets,
+        ref_offsets,
+        p_query.shape[0],
+        p_ref.shape[0],
+        values=values,
+        device=p_query.device,
     )
-    for name, t in (("query_offsets", query_offsets), ("ref_offsets", ref_offsets)):
-        if t.device != p_query.device:
-            raise ValueError(
-                f"{name}: expected a tensor on {p_query.device} like p_query, got "
-                f"{t.device}"
-            )
     if k and values:
         check_clouds_hold(query_offsets, ref_offsets, k)
     return True

@@ -108,13 +108,8 @@ def check_radius_search(
             p_query.shape[0],
             p_ref.shape[0],
             values=values,
+            device=p_query.device,
         )
-        for name, t in (("query_offsets", query_offsets), ("ref_offsets", ref_offsets)):
-            if t.device != p_query.device:
-                raise ValueError(
-                    f"{name}: expected a tensor on {p_query.device} like p_query, "
-                    f"got {t.device}"
-                )
     check_finite(values, p_query=p_query, p_ref=p_ref)
     return radius, max_neighbours
 

@@ -167,9 +167,10 @@ def knn_batched(p_query, p_ref, query_offsets, ref_offsets, k):
     copied to the host once, in one copy, and checked there (every cloud with queries
     must hold at least ``k`` reference points: the error names the first that does not),
     with the coordinates' finite check, one more read; the operator then runs with its
-    own checks off and reads nothing back. With the checks off (while compiling, in a
-    CUDA graph's capture, or under ``value_checks(False)``) nothing is read back at all,
-    and a cloud of fewer than ``k`` points leaves its queries' last neighbours at
+    own checks off and reads nothing back. Compiled, the operator runs as it is and
+    makes the same checks itself, with the same one copy. With the checks off (in a
+    CUDA graph's capture, or under ``value_checks(False)``) nothing is read back at
+    all, and a cloud of fewer than ``k`` points leaves its queries' last neighbours at
     distance infinity and row -1."""
     k = ops.check_knn_batched(p_query, p_ref, query_offsets, ref_offsets, k)
     _check_queries("knn", p_query)

@@ -17,7 +17,11 @@ cloud is ``+inf`` (outside every radius), so each query finds its own cloud's po
 The clouds of the points come from the offsets by tensor operations, never by reading
 them on the host, so the batched form compiles with ``fullgraph=True``. Its queries go
 in slices of :data:`BATCH_CHUNK` pairs by default, since the batch's ``M x N`` pairs
-are mostly masked ones.
+are mostly masked ones. Compiled, the slices are unrolled: the graph holds one search
+per slice and is compiled again when their number, ``ceil(M / (BATCH_CHUNK // N))``,
+changes (Dynamo stops after eight; an exported program takes only its traced number).
+A ``chunk_size`` of at least ``M`` keeps one graph for every size, at ``M x N`` memory;
+the ``fused`` backend's batched operators keep one graph without it.
 """
 
 from __future__ import annotations
