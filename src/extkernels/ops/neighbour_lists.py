@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from .batches import check_batch
+from .batches import check_call
 from .checks import check_cloud, check_finite, check_positive, values_checked
 
 __all__ = [
@@ -94,22 +94,7 @@ def check_radius_search(
     max_neighbours = check_max_neighbours(max_neighbours)
     if values is None:
         values = values_checked(p_query)
-    if (query_offsets is None) != (ref_offsets is None):
-        given, missing = (
-            ("query_offsets", "ref_offsets")
-            if ref_offsets is None
-            else ("ref_offsets", "query_offsets")
-        )
-        raise ValueError(f"{missing}: expected offsets too, since {given} is given")
-    if query_offsets is not None:
-        check_batch(
-            query_offsets,
-            ref_offsets,
-            p_query.shape[0],
-            p_ref.shape[0],
-            values=values,
-            device=p_query.device,
-        )
+    check_call(query_offsets, ref_offsets, p_query, p_ref, values=values)
     check_finite(values, p_query=p_query, p_ref=p_ref)
     return radius, max_neighbours
 
