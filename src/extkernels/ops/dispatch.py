@@ -86,14 +86,18 @@ def knn_aggregate(
     **options,
 ) -> torch.Tensor:
     """kNN-weighted aggregation: features of the k nearest reference points, weighted by
-    ``softmax(-distance / sigma)``, summed onto each query. Differentiable in ``feats``.
+    ``softmax(-distance / sigma)``, summed onto each query. Differentiable in ``feats``
+    and, with the neighbours held fixed, in both clouds (a backend without that gradient
+    refuses a cloud that requires grad, by name).
 
     Args:
         p_query: ``(M, 3)`` float32.
         p_ref: ``(N, 3)`` float32.
         feats: ``(N, F)`` float32 features of the reference points.
         k: neighbours per query, ``1 <= k <= N``.
-        sigma: softmax length scale, > 0.
+        sigma: softmax length scale, > 0. Past float32's range (about 3e38) the
+            weights overflow to NaN: ``1 / sigma`` in the cpp and fused backends,
+            ``distance / sigma`` in the torch and ptx ones.
         query_offsets, ref_offsets: as for :func:`knn`.
 
     Returns:
@@ -131,14 +135,17 @@ def radius_aggregate(
 ) -> torch.Tensor:
     """Radius-bounded aggregation: features of every reference point within ``radius``,
     weighted by ``exp(-distance / sigma)`` normalised per query; zeros for a query with
-    no neighbour. Differentiable in ``feats``.
+    no neighbour. Differentiable in ``feats`` and, with the neighbours held fixed, in
+    both clouds (a backend without that gradient refuses a cloud that requires grad, by
+    name).
 
     Args:
         p_query: ``(M, 3)`` float32.
         p_ref: ``(N, 3)`` float32.
         feats: ``(N, F)`` float32.
         radius: neighbourhood radius, > 0.
-        sigma: weight length scale, > 0.
+        sigma: weight length scale, > 0. The torch and warp backends divide by it
+            in float32: below about 1.4e-45 it is 0 there and they give NaN.
         query_offsets, ref_offsets: as for :func:`knn` (a cloud may hold no reference
             point: its queries get zeros).
 
