@@ -56,6 +56,7 @@ __all__ = [
     "check_tensor",
     "check_cloud",
     "check_feats",
+    "check_int",
     "check_k",
     "check_positive",
     "check_same_device",
@@ -215,15 +216,22 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first.device
 
 
+def check_int(name: str, value: object, expected: str = "an int") -> int:
+    """An integer argument (not a bool). Traced with a value that changed between calls
+    (or ``dynamic=True``), it is a ``SymInt``: the caller's comparisons guard the
+    compiled graph and the symbol is returned as it is."""
+    integral = isinstance(value, numbers.Integral | torch.SymInt)
+    if isinstance(value, bool) or not integral:
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
 def check_k(k: object, n_ref: int) -> int:
-    """The number of neighbours: an integer in ``[1, n_ref]``. Traced with a ``k`` that
-    changed between calls (or ``dynamic=True``), ``k`` is a ``SymInt``: the comparisons
-    guard the compiled graph and the symbol is returned as it is."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral | torch.SymInt):
-        raise TypeError(f"k: expected an int, got {type(k).__name__}")
+    """The number of neighbours: an integer in ``[1, n_ref]`` (:func:`check_int`)."""
+    k = check_int("k", k)
     if not 1 <= k <= n_ref:
         raise ValueError(f"k: expected 1 <= k <= {n_ref} (the size of p_ref), got {k}")
-    return k if isinstance(k, torch.SymInt) else int(k)
+    return k
 
 
 def check_positive(name: str, value: object) -> float:

@@ -14,12 +14,16 @@ search cloud ``b`` only.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .batches import check_call
-from .checks import check_cloud, check_finite, check_positive, values_checked
+from .checks import (
+    check_cloud,
+    check_finite,
+    check_int,
+    check_positive,
+    values_checked,
+)
 
 __all__ = [
     "DTYPES",
@@ -47,22 +51,13 @@ def check_points(name: str, points: object, dtypes=DTYPES) -> torch.Tensor:
 
 
 def check_max_neighbours(max_neighbours: object) -> int | None:
-    """``None`` (every neighbour) or an int >= 1 (a ``SymInt`` while traced, returned
-    as it is, like ``k`` in :func:`~extkernels.ops.checks.check_k`)."""
+    """``None`` (every neighbour) or an int >= 1 (:func:`~.checks.check_int`)."""
     if max_neighbours is None:
         return None
-    if isinstance(max_neighbours, bool) or not isinstance(
-        max_neighbours, numbers.Integral | torch.SymInt
-    ):
-        raise TypeError(
-            f"max_neighbours: expected an int or None, got "
-            f"{type(max_neighbours).__name__}"
-        )
+    max_neighbours = check_int("max_neighbours", max_neighbours, "an int or None")
     if max_neighbours < 1:
         raise ValueError(f"max_neighbours: expected an int >= 1, got {max_neighbours}")
-    if isinstance(max_neighbours, torch.SymInt):
-        return max_neighbours
-    return int(max_neighbours)
+    return max_neighbours
 
 
 def check_radius_search(

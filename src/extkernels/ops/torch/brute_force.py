@@ -26,13 +26,12 @@ the ``fused`` backend's batched operators keep one graph without it.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..batches import cloud_of
 from ..capture import capturing
+from ..checks import check_int
 from ..positions import pairwise_distances, wants_grad, with_position_grads
 
 __all__ = ["BATCH_CHUNK", "knn", "radius_aggregate"]
@@ -44,12 +43,7 @@ BATCH_CHUNK = 1 << 22
 
 def check_chunk_size(chunk_size: object) -> int:
     """``chunk_size`` of the brute-force searches: a positive number of queries."""
-    if isinstance(chunk_size, bool) or not isinstance(
-        chunk_size, numbers.Integral | torch.SymInt
-    ):
-        raise TypeError(
-            f"chunk_size: expected an int or None, got {type(chunk_size).__name__}"
-        )
+    chunk_size = check_int("chunk_size", chunk_size, "an int or None")
     if chunk_size < 1:
         raise ValueError(
             "chunk_size: expected a positive number of queries or None, got "
