@@ -216,7 +216,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first.device
 
 
-def check_int(name: str, value: object, expected: str = "an int") -> int:
+def check_int(name: str, value: object, expected: str = "an int") -> int | torch.SymInt:
     """An integer argument (not a bool). Traced with a value that changed between calls
     (or ``dynamic=True``), it is a ``SymInt``: the caller's comparisons guard the
     compiled graph and the symbol is returned as it is."""
@@ -226,7 +226,7 @@ def check_int(name: str, value: object, expected: str = "an int") -> int:
     return value if isinstance(value, torch.SymInt) else int(value)
 
 
-def check_k(k: object, n_ref: int) -> int:
+def check_k(k: object, n_ref: int) -> int | torch.SymInt:
     """The number of neighbours: an integer in ``[1, n_ref]`` (:func:`check_int`)."""
     k = check_int("k", k)
     if not 1 <= k <= n_ref:
