@@ -76,6 +76,18 @@ WARP_COMPILED = [
     "radius/warp+reduce-overhead",
 ]
 
+#: The results page's two shortest kNN training steps, which it names by glue.
+KNN_BEST, KNN_RUNNER_UP = "knn/fused+compile+graphs", "knn/cpp+graphs"
+
+
+def ranked_first(t: pd.DataFrame, workload: str, best: str, runner_up: str) -> bool:
+    """Whether ``best`` and ``runner_up`` are the workload's two shortest training
+    steps, as the results page's glue ranks them."""
+    quotes = results.variant_quotes(results.by_workload(t))
+    pair = (quotes[f"{workload}_best"], quotes[f"{workload}_runner_up"])
+    return pair == (best, runner_up)
+
+
 CLAIMS = [
     Claim(
         "03_cuml_knn",
@@ -87,9 +99,13 @@ CLAIMS = [
     ),
     Claim(
         "04_rmm_pool",
-        "Every shared-pool run is shorter than every run without a pool, in the "
-        "forward pass and in the training step",
-        lambda t: below(t, "knn/cuml-op+compile+rmm", "knn/cuml-op+compile", *BOTH),
+        "Every shared-pool forward pass is shorter than every one without a pool",
+        lambda t: below(t, "knn/cuml-op+compile+rmm", "knn/cuml-op+compile", "forward"),
+    ),
+    Claim(
+        "04_rmm_pool",
+        "in the training step ({glue:text}`rmm_train_gain:.2f`×) the ranges overlap",
+        lambda t: overlap(t, "knn/cuml-op+compile+rmm", "knn/cuml-op+compile", "train"),
     ),
     Claim(
         "04_rmm_pool",
@@ -124,12 +140,8 @@ CLAIMS = [
     ),
     Claim(
         "06_warp_backward",
-        "With `reduce-overhead` the median step is shorter than in the default mode; "
-        "the ranges overlap.",
-        lambda t: (
-            longer(t, "radius/warp+compile", RO, "train")
-            and overlap(t, "radius/warp+compile", RO, "train")
-        ),
+        "With `reduce-overhead` the step's runs overlap those of the default mode.",
+        lambda t: overlap(t, "radius/warp+compile", RO, "train"),
     ),
     Claim(
         "06_warp_backward",
@@ -139,18 +151,16 @@ CLAIMS = [
     Claim(
         "07_warp_interop",
         "Eager, every training run on the calling thread is shorter than every run on "
-        "autograd's thread; compiled, the runs overlap.",
+        "autograd's thread; compiled too",
         lambda t: (
             below(t, "radius/warp+1thread", "radius/warp", "train")
-            and overlap(
-                t, "radius/warp+compile+1thread", "radius/warp+compile", "train"
-            )
+            and below(t, "radius/warp+compile+1thread", "radius/warp+compile", "train")
         ),
     ),
     Claim(
         "09_cuda_knn",
-        "Eager, the step's runs overlap the floor's",
-        lambda t: overlap(t, "knn/cpp", "knn/floor", "train"),
+        "Eager, every run of the step is longer than every run of the floor",
+        lambda t: below(t, "knn/floor", "knn/cpp", "train"),
     ),
     Claim(
         "09_cuda_knn",
@@ -159,8 +169,8 @@ CLAIMS = [
     ),
     Claim(
         "10_ptx_gather",
-        "In one CUDA graph the projector is within 1 % of chapter 9's",
-        lambda t: within(t, "knn/ptx+graphs", "knn/cpp+graphs", 0.01, *BOTH),
+        "In one CUDA graph the projector is within 2 % of chapter 9's",
+        lambda t: within(t, "knn/ptx+graphs", "knn/cpp+graphs", 0.02, *BOTH),
     ),
     Claim(
         "10_ptx_gather",
@@ -169,8 +179,17 @@ CLAIMS = [
     ),
     Claim(
         "10_ptx_gather",
-        "every compiled forward run is slower than every eager one",
-        lambda t: below(t, "knn/ptx", "knn/ptx+compile", "forward"),
+        "the compiled forward runs overlap the eager ones",
+        lambda t: overlap(t, "knn/ptx", "knn/ptx+compile", "forward"),
+    ),
+    Claim(
+        "results",
+        "every training run of the first is shorter, every forward pass of the second",
+        lambda t: (
+            ranked_first(t, "knn", KNN_BEST, KNN_RUNNER_UP)
+            and below(t, KNN_BEST, KNN_RUNNER_UP, "train")
+            and below(t, KNN_RUNNER_UP, KNN_BEST, "forward")
+        ),
     ),
 ]
 

@@ -19,23 +19,9 @@ PAGES = sorted((ROOT / "book").glob("*.ipynb"))
 FILES = sorted(DATA.glob("*.json"))
 
 #: Data files that still gather runs of several hosts.
-MIXED_FILES = {"benchmark-h200.json"}
+MIXED_FILES: set[str] = set()
 #: Pages that still read runs of another host than their own.
-CROSS_HOST_PAGES = {
-    "01_eager_baseline",
-    "02_torch_compile",
-    "03_cuml_knn",
-    "04_rmm_pool",
-    "05_warp_radius",
-    "06_warp_backward",
-    "07_warp_interop",
-    "08_triton_knn",
-    "09_cuda_knn",
-    "10_ptx_gather",
-    "11_whole_step",
-    "12_scaling",
-    "results",
-}
+CROSS_HOST_PAGES: set[str] = set()
 
 HOST = re.compile(r"host CPU\s+(.+)")
 DATA_FILE = re.compile(r"data/([\w.-]+\.json)")
