@@ -1,9 +1,6 @@
 """Comparisons from one host: a page compares timings only from runs of the host it ran
 on, and every data file holds one host's runs (the run cards' ``host CPU``; the host
-sets the pace of every step the CPU launches, so two hosts' runs are not compared).
-
-The files and pages measured before the one-host campaign are listed below; each entry
-must still be mixed, so the lists only shrink."""
+sets the pace of every step the CPU launches, so two hosts' runs are not compared)."""
 
 import ast
 import json
@@ -17,11 +14,6 @@ from conftest import ROOT
 DATA = ROOT / "book" / "data"
 PAGES = sorted((ROOT / "book").glob("*.ipynb"))
 FILES = sorted(DATA.glob("*.json"))
-
-#: Data files that still gather runs of several hosts.
-MIXED_FILES: set[str] = set()
-#: Pages that still read runs of another host than their own.
-CROSS_HOST_PAGES: set[str] = set()
 
 HOST = re.compile(r"host CPU\s+(.+)")
 DATA_FILE = re.compile(r"data/([\w.-]+\.json)")
@@ -76,12 +68,7 @@ def reads_default_file(source: str) -> bool:
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_a_data_file_holds_one_hosts_runs(path):
     hosts = hosts_of_file(path)
-    if path.name in MIXED_FILES:
-        assert len(hosts) > 1, (
-            f"{path.name} holds one host's runs: drop it from the set"
-        )
-    else:
-        assert len(hosts) == 1, f"{path.name}: runs of several hosts: {sorted(hosts)}"
+    assert len(hosts) == 1, f"{path.name}: runs of several hosts: {sorted(hosts)}"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
@@ -91,12 +78,7 @@ def test_a_page_compares_runs_of_its_own_host(path):
     for name in files_of_page(path):
         assert (DATA / name).exists(), f"{path.name} reads {name}, which is not there"
         hosts |= hosts_of_file(DATA / name)
-    if path.stem in CROSS_HOST_PAGES:
-        assert len(hosts) > 1, (
-            f"{path.name} reads one host's runs: drop it from the set"
-        )
-    else:
-        assert len(hosts) == 1, f"{path.name}: runs of several hosts: {sorted(hosts)}"
+    assert len(hosts) == 1, f"{path.name}: runs of several hosts: {sorted(hosts)}"
 
 
 def test_a_call_names_its_file_or_reads_the_benchmark():
